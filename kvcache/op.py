@@ -1,0 +1,41 @@
+"""kvcache::update_and_attend, the one functional op every attention layer calls.
+
+Shapes (BHSD, flat token axis):
+    q        [B=1, H_q,  S, D]
+    k        [B=1, H_kv, S, D]      H_q is a multiple of H_kv (GQA/MQA, no per-head copies)
+    v        [B=1, H_kv, S, D_v]    D_v may differ from D
+    position [S, 1] int64           absolute position of each token in its own session
+    returns  [B=1, H_q,  S, D_v]    in out_dtype
+To the tracer the op is pure (mutates_args=()): the graph holds no KV buffers and no cache sizes.
+At run time it hands this layer's k/v to the caches of the registry's active step and attends q over
+each session's history.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import REGISTRY
+
+
+@torch.library.custom_op("kvcache::update_and_attend", mutates_args=())
+def update_and_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    position: torch.Tensor,
+    layer_id: int,
+    scale: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be [B, H, S, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if position.shape != (q.shape[2], 1):
+        raise ValueError(f"position must be [S, 1] = [{q.shape[2]}, 1], got {tuple(position.shape)}")
+    return REGISTRY.current_step().attend(q, k, v, position, layer_id, scale, out_dtype)
+
+
+@update_and_attend.register_fake
+def _(q, k, v, position, layer_id, scale, out_dtype):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=out_dtype)

@@ -1,0 +1,114 @@
+"""The registry of installed session caches and of the step the op serves next.
+
+Install a cache once, when its session is created; activate it (alone, or as one span of a
+multi-session step) before every forward that should read and extend it. The registry is the only
+module-level mutable state of the project: `REGISTRY` below.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+from .errors import CacheError, NoActiveCache, UnknownCache
+from .session_cache import SessionCache
+from .step import ActiveStep
+
+SpanSpec = str | tuple[str, int]
+
+
+class CacheRegistry:
+    """Maps session keys to their caches and holds the active step for update_and_attend."""
+
+    def __init__(self) -> None:
+        self._caches: dict[str, SessionCache] = {}
+        self._active: ActiveStep | None = None
+        self._active_keys: tuple[str, ...] = ()
+        self._lock = threading.RLock()
+
+    def install(self, key: str, cache: SessionCache) -> SessionCache:
+        with self._lock:
+            if key in self._caches:
+                raise CacheError(f"a cache is already installed under key {key!r}")
+            cache.key = key
+            self._caches[key] = cache
+            return cache
+
+    def uninstall(self, key: str) -> SessionCache:
+        with self._lock:
+            cache = self._caches.pop(key, None)
+            if cache is None:
+                raise UnknownCache(f"no cache is installed under key {key!r}")
+            if key in self._active_keys:
+                self._active, self._active_keys = None, ()
+            return cache
+
+    def get(self, key: str) -> SessionCache:
+        cache = self._caches.get(key)
+        if cache is None:
+            raise UnknownCache(f"no cache is installed under key {key!r}")
+        return cache
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._caches)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._caches
+
+    def __len__(self) -> int:
+        return len(self._caches)
+
+    def total_bytes(self) -> int:
+        with self._lock:
+            return sum(c.nbytes for c in self._caches.values())
+
+    def set_active(self, spans: SpanSpec | Sequence[SpanSpec] | None) -> None:
+        """Select what the next forward(s) read and extend.
+
+        `"a"` gives session a every token of the step; `[("a", 6), ("b", 1)]` splits the flat token
+        axis, in order, between sessions; None deactivates.
+        """
+        with self._lock:
+            if spans is None:
+                self._active, self._active_keys = None, ()
+                return
+            if isinstance(spans, str):
+                spans = [spans]
+            resolved: list[tuple[SessionCache, int | None]] = []
+            for spec in spans:
+                key, n = (spec, None) if isinstance(spec, str) else spec
+                if n is None and len(spans) > 1:
+                    raise CacheError("with several sessions in a step, give each span's token count")
+                if n is not None and (not isinstance(n, int) or n <= 0):
+                    raise CacheError(f"span of {key!r} must have a positive token count, got {n!r}")
+                resolved.append((self.get(key), n))
+            self._active = ActiveStep(resolved)
+            self._active_keys = tuple(c.key for c, _ in resolved)
+
+    def active_keys(self) -> tuple[str, ...]:
+        return self._active_keys
+
+    @contextlib.contextmanager
+    def active(self, spans: SpanSpec | Sequence[SpanSpec]) -> Iterator[None]:
+        """Activate `spans` for the block, then restore whatever was active before."""
+        with self._lock:
+            saved = (self._active, self._active_keys)
+        self.set_active(spans)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._active, self._active_keys = saved
+
+    def current_step(self) -> ActiveStep:
+        step = self._active
+        if step is None:
+            raise NoActiveCache(
+                "kvcache::update_and_attend ran with no active cache: install a session cache and call "
+                "REGISTRY.set_active(key) (or use REGISTRY.active(key)) before the forward"
+            )
+        return step
+
+
+REGISTRY = CacheRegistry()

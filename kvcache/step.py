@@ -1,0 +1,95 @@
+"""One forward's worth of cache work: which session owns which span of the flat token axis."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .errors import CacheError, PositionMismatch
+from .session_cache import SessionCache
+
+
+class ActiveStep:
+    """Spans of the token axis, in order, each owned by one session cache.
+
+    Layer 0 of a forward validates every span (positions continue each history, every session fits)
+    and reserves room before any layer writes; the last layer commits every span's length. So a
+    refused step changes no session, and one that fails midway leaves every committed length as it was.
+    """
+
+    def __init__(self, spans: list[tuple[SessionCache, int]]) -> None:
+        if not spans:
+            raise CacheError("an active step needs at least one span")
+        n_layers = {cache.config.n_layers for cache, _ in spans}
+        if len(n_layers) != 1:
+            raise CacheError(f"caches of one step must have the same number of layers, got {sorted(n_layers)}")
+        if len({id(cache) for cache, _ in spans}) != len(spans):
+            raise CacheError("a session may own only one span of a step")
+        self.spans = spans
+        self.n_layers = n_layers.pop()
+        self._next_layer: int | None = None  # None: no forward in progress
+
+    def _begin(self, position: torch.Tensor, n_tokens: int) -> None:
+        # A span of None tokens (a lone session activated by key) owns the whole step.
+        sizes = [n_tokens if n is None else n for _, n in self.spans]
+        if sum(sizes) != n_tokens:
+            raise CacheError(f"the active spans cover {sum(sizes)} tokens but the step carries {n_tokens}")
+        expected = torch.cat([torch.arange(c.length, c.length + n) for (c, _), n in zip(self.spans, sizes)])
+        got = position.reshape(-1)
+        if not torch.equal(got.to(torch.int64), expected):
+            for (cache, _), n, start in zip(self.spans, sizes, _starts(sizes)):
+                span = got[start : start + n].tolist()
+                if span != list(range(cache.length, cache.length + n)):
+                    raise PositionMismatch(
+                        f"cache {cache.key!r} holds {cache.length} tokens, so its span must have positions "
+                        f"{cache.length}..{cache.length + n - 1}; got {span[:4]}{'...' if n > 4 else ''}"
+                    )
+        for (cache, _), n in zip(self.spans, sizes):
+            cache.check_extend(n)  # every session is checked before any grows
+        for (cache, _), n in zip(self.spans, sizes):
+            cache.reserve(n)
+        self.sizes = sizes
+
+    def attend(self, q, k, v, position, layer_id: int, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+        if q.shape[0] != 1:
+            raise CacheError(f"the token axis is flat: batch must be 1, got {q.shape[0]}")
+        if layer_id == 0:
+            self._next_layer = None
+            self._begin(position, q.shape[2])
+        elif self._next_layer != layer_id:
+            self._next_layer = None
+            raise CacheError(f"layers must run in order 0..{self.n_layers - 1}; got layer {layer_id} out of turn")
+        outs = []
+        for (cache, _), n, start in zip(self.spans, self.sizes, _starts(self.sizes)):
+            # k/v arrive as [1, H_kv, S, D]; the cache stores [H_kv, n, D] per layer.
+            k_all, v_all = cache.write(layer_id, k[0, :, start : start + n], v[0, :, start : start + n])
+            outs.append(_attend(q[:, :, start : start + n], k_all, v_all, scale))
+        self._next_layer = layer_id + 1
+        if layer_id == self.n_layers - 1:
+            for (cache, _), n in zip(self.spans, self.sizes):
+                cache.commit(n)
+            self._next_layer = None
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H_q, S, D_v]
+        return out.to(out_dtype)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += n
+    return starts
+
+
+def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [1, H_q, n, D] over k_all [H_kv, T, D], v_all [H_kv, T, D_v], the last n of T being q's own tokens."""
+    n, total = q.shape[2], k_all.shape[1]
+    k_all = k_all.unsqueeze(0).to(q.dtype)  # [1, H_kv, T, D]
+    v_all = v_all.unsqueeze(0).to(q.dtype)  # [1, H_kv, T, D_v]
+    if n == 1:
+        return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=True)
+    if n == total:
+        return F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True, scale=scale, enable_gqa=True)
+    # torch's is_causal aligns upper-left; a chunk continuing a history needs lower-right alignment.
+    q_pos = torch.arange(total - n, total).unsqueeze(1)  # [n, 1]
+    mask = torch.arange(total).unsqueeze(0) <= q_pos  # [n, T]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -13,6 +13,14 @@ from .errors import CacheFull
 _MIN_DYNAMIC_ALLOC = 16
 
 
+def grown_allocation(allocated: int, needed: int, capacity: int) -> int:
+    """Tokens a cache holding `allocated` slots allocates to hold `needed` tokens."""
+    if needed <= allocated:
+        return allocated
+    # Geometric growth keeps appends amortized O(1); the cap keeps memory within the hard bound.
+    return min(capacity, max(needed, 2 * allocated, _MIN_DYNAMIC_ALLOC))
+
+
 class SessionCache:
     """K/V of one session; STATIC preallocates its capacity, DYNAMIC doubles as it grows."""
 
@@ -52,14 +60,20 @@ class SessionCache:
         if not self.can_extend(n):
             raise CacheFull(self.key, self._length, n, self.config.capacity)
 
+    def allocation_for(self, n: int) -> int:
+        """Tokens allocated once n more are held (what reserve(n) would leave), without allocating."""
+        return grown_allocation(self.allocated, self._length + n, self.config.capacity)
+
+    def bytes_after(self, n: int) -> int:
+        """nbytes once n more tokens are held."""
+        return self.config.bytes_for(self.allocation_for(n))
+
     def reserve(self, n: int) -> None:
         """Make room for n more tokens; raises CacheFull (changing nothing) past capacity."""
         self.check_extend(n)
-        needed = self._length + n
-        if needed <= self.allocated:
+        alloc = self.allocation_for(n)
+        if alloc == self.allocated:
             return
-        # Geometric growth keeps appends amortized O(1); the cap keeps memory within the hard bound.
-        alloc = min(self.config.capacity, max(needed, 2 * self.allocated, _MIN_DYNAMIC_ALLOC))
         k, v = self._allocate(alloc)
         k[:, :, : self._length].copy_(self._k[:, :, : self._length])
         v[:, :, : self._length].copy_(self._v[:, :, : self._length])

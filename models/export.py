@@ -1,0 +1,95 @@
+"""Build the decoder from loaded weights, export it once, and save/load artifact folders."""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.export import Dim
+
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .llama import Transformer
+from .tokenizer import TextTokenizer
+
+ARTIFACT_FORMAT = 1
+PROGRAM_FILE = "model.pt2"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """An exported program ready to run, with the config and tokenizer it came with."""
+
+    config: ModelConfig
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    tokenizer: TextTokenizer
+    name: str
+    dtype: torch.dtype
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """Construct on the meta device, then assign the loaded weights (no double allocation)."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    if config.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or extra:
+        raise ModelLoadError(f"checkpoint does not fit the {config.architecture} model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, tensor in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
+            raise ModelLoadError(f"weight {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.reset_constants()
+    return model.eval()
+
+
+def export_program(model: Transformer) -> torch.export.ExportedProgram:
+    """One program for prefill, chunks and decode: the token and logit-row counts are dynamic."""
+    max_ctx = max(model.config.max_context, 16)
+    n, m = Dim("n_tokens", min=1, max=max_ctx), Dim("n_logits", min=1, max=max_ctx)
+    example = (torch.zeros(1, 4, dtype=torch.long), torch.arange(4).unsqueeze(1), torch.tensor([1, 3]))
+    with torch.no_grad():
+        return torch.export.export(model, example, dynamic_shapes=({1: n}, {0: n}, {0: m}), strict=False)
+
+
+def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str) -> None:
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    torch.export.save(program, str(tmp / PROGRAM_FILE))
+    (tmp / "config.json").write_text(config.to_json())
+    tokenizer.save(tmp)
+    meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name}
+    (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def is_artifact(folder: Path) -> bool:
+    return (Path(folder) / PROGRAM_FILE).is_file() and (Path(folder) / "kvserve.json").is_file()
+
+
+def load_artifact(folder: Path) -> LoadedModel:
+    folder = Path(folder)
+    meta = json.loads((folder / "kvserve.json").read_text())
+    if meta.get("format") != ARTIFACT_FORMAT:
+        raise ModelLoadError(f"{folder}: artifact format {meta.get('format')} is not {ARTIFACT_FORMAT}; export again")
+    program = torch.export.load(str(folder / PROGRAM_FILE))
+    config = ModelConfig.from_json((folder / "config.json").read_text())
+    return LoadedModel(
+        config=config,
+        forward=program.module(),
+        tokenizer=TextTokenizer.load(folder),
+        name=meta["name"],
+        dtype=getattr(torch, meta["dtype"]),
+    )

@@ -1,0 +1,135 @@
+"""Llama-family decoder (Llama, Qwen2) whose attention is kvcache::update_and_attend. Math only."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kvcache  # noqa: F401  (registers torch.ops.kvcache.update_and_attend)
+
+from .config import ModelConfig
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], with the config's scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if config.rope_freq_factors is not None:
+        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
+    rs = config.rope_scaling
+    if rs is not None and rs.kind == "linear":
+        inv = inv / rs.factor
+    elif rs is not None and rs.kind == "llama3":
+        low_wavelen = rs.original_max_position / rs.low_freq_factor
+        high_wavelen = rs.original_max_position / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [1, H, n, D], cos/sin [n, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over the session caches of the active step."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_id, self.n_heads, self.n_kv_heads, self.head_dim = layer_id, c.n_heads, c.n_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x, positions, cos, sin):
+        n = x.shape[1]
+        q = self.q_proj(x).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)  # [1, H_q, n, D]
+        k = self.k_proj(x).view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, n, D]
+        v = self.v_proj(x).view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, n, D]
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.head_dim**-0.5, x.dtype)
+        out = out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim)  # [1, n, H_q * D]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.self_attn = Attention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder over a flat step of tokens from many sessions; returns logits for the sampled rows only."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def reset_constants(self) -> None:
+        """Recompute non-weight tensors after building on the meta device."""
+        self.inv_freq = rope_inv_freq(self.config)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """tokens [1, n] int64, positions [n, 1] int64, logits_indices [m] int64 -> logits [m, vocab] float32."""
+        x = self.embed_tokens(tokens)  # [1, n, dim]
+        angles = positions.float() * self.inv_freq  # [n, D/2]
+        angles = torch.cat((angles, angles), dim=-1)  # [n, D]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, positions, cos, sin)
+        x = x[0].index_select(0, logits_indices)  # [m, dim]
+        return self.lm_head(self.norm(x)).float()

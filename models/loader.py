@@ -1,0 +1,83 @@
+"""Turn a model name, .gguf path, HF folder or artifact folder into a ready exported program."""
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from . import export as export_mod
+from .catalog import NAMED_MODELS, cache_dir, fetch
+from .errors import ModelLoadError
+from .export import LoadedModel, build_model, export_program, is_artifact, load_artifact, save_artifact
+from .gguf_loader import read_gguf
+from .hf_loader import read_hf
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve(spec: str) -> Path:
+    """A named model (fetched on first use) or a local path."""
+    if spec in NAMED_MODELS:
+        return fetch(spec)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{spec!r} is neither a named model ({', '.join(NAMED_MODELS)}) nor an existing path")
+    return path
+
+
+def read_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: expected a .gguf file, a Hugging Face folder or an artifact folder")
+        return read_gguf(path, dtype, progress)
+    return read_hf(path, dtype, progress)
+
+
+def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
+    """-> (exported program, config, tokenizer) for a .gguf file or HF folder."""
+    config, state, tokenizer = read_checkpoint(path, dtype, progress)
+    with tqdm(total=2, desc="exporting", disable=not progress, unit="stage") as bar:
+        model = build_model(config, state, dtype)
+        bar.update()
+        program = export_program(model)
+        bar.update()
+    return program, config, tokenizer
+
+
+def _source_key(path: Path, dtype: torch.dtype) -> str:
+    """Changes whenever the checkpoint, the dtype or the model code changes."""
+    h = hashlib.sha256()
+    for p in sorted(path.rglob("*")) if path.is_dir() else [path]:
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    h.update(str(dtype).encode())
+    code = Path(__file__).parent
+    for name in ("llama.py", "export.py", "config.py", "gguf_loader.py", "hf_loader.py", "tokenizer.py"):
+        h.update((code / name).read_bytes())
+    h.update(str(export_mod.ARTIFACT_FORMAT).encode())
+    return h.hexdigest()[:24]
+
+
+def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True) -> LoadedModel:
+    """Load an artifact as is; export a checkpoint once and keep the artifact in the cache folder."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    path = resolve(spec)
+    if path.is_dir() and is_artifact(path):
+        return load_artifact(path)
+    torch_dtype = DTYPES[dtype]
+    cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype)
+    if use_cache and is_artifact(cached):
+        return load_artifact(cached)
+    start = time.time()
+    program, config, tokenizer = export_checkpoint(path, torch_dtype, progress)
+    if use_cache:
+        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec)
+    if progress:
+        print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
+    return LoadedModel(config=config, forward=program.module(), tokenizer=tokenizer, name=spec, dtype=torch_dtype)

@@ -1,0 +1,1 @@
+"""Engine, scheduler, HTTP API and CLI of kvserve."""

@@ -1,0 +1,104 @@
+"""TGI-compatible routes: /generate, /generate_stream, and / (which picks one by `stream`)."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
+
+from . import flow
+from .errors import InvalidRequest
+from .sampling import SamplingParams
+from .schemas import GenerateParameters, GenerateRequest
+from .sequence import Finished, Request, TokenEvent
+
+router = APIRouter(tags=["tgi"])
+
+TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "cancelled": "length", "error": "length"}
+
+
+def tgi_params(p: GenerateParameters, default_max: int) -> SamplingParams:
+    sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p))
+    temperature = 0.0 if not sampling else (p.temperature if p.temperature is not None else 1.0)
+    return SamplingParams(
+        max_tokens=p.max_new_tokens if p.max_new_tokens is not None else default_max,
+        temperature=temperature,
+        top_k=p.top_k or 0,
+        top_p=p.top_p if p.top_p is not None else 1.0,
+        min_p=p.min_p or 0.0,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
+        presence_penalty=p.presence_penalty or 0.0,
+        seed=p.seed,
+        stop=tuple(p.stop),
+        logprobs=p.top_n_tokens or 0,
+    )
+
+
+def _start(http: HttpRequest, body: GenerateRequest) -> Request:
+    engine = flow.engine_of(http)
+    if len(body.parameters.stop) > engine.config.max_stop_strings:
+        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="parameters.stop")
+    params = tgi_params(body.parameters, engine.config.default_max_tokens)
+    prompt = engine.tokenizer.encode(body.inputs)
+    return flow.start(
+        http,
+        flow.session_id_of(http, body.session_id),
+        prompt,
+        params,
+        resend=False,
+        max_tokens_given=body.parameters.max_new_tokens is not None,
+        inject_fault=body.debug_fail_step,
+    )
+
+
+def _token(tokenizer, e: TokenEvent) -> dict:
+    return {"id": e.token, "text": e.text, "logprob": e.logprob if e.logprob is not None else 0.0,
+            "special": e.token in tokenizer.eos_ids}
+
+
+def _details(req: Request, f: Finished) -> dict:
+    return {"finish_reason": TGI_REASONS[f.reason], "generated_tokens": f.completion_tokens, "seed": req.params.seed}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, http: HttpRequest) -> dict:
+    req = _start(http, body)
+    tokens, finished = await flow.collect(http, req)
+    text = (body.inputs if body.parameters.return_full_text else "") + req.text
+    out: dict = {"generated_text": text}
+    if body.parameters.details:
+        tok = flow.engine_of(http).tokenizer
+        out["details"] = {**_details(req, finished), "prefill": [], "tokens": [_token(tok, e) for e in tokens]}
+    return out
+
+
+@router.post("/generate_stream")
+async def generate_stream(body: GenerateRequest, http: HttpRequest) -> StreamingResponse:
+    req = _start(http, body)
+    tok = flow.engine_of(http).tokenizer
+
+    async def stream():
+        index, held = 0, None
+        async for event in flow.events(http, req, watch_disconnect=False):
+            if isinstance(event, TokenEvent):
+                index += 1
+                if req.finished is not None and req.events.qsize() == 1:
+                    held = event  # the last token: the final event, next, carries it
+                else:
+                    yield flow.sse({"index": index, "token": _token(tok, event), "generated_text": None, "details": None})
+                continue
+            if event.error is not None:
+                yield flow.sse_error(event.error)
+                return
+            # a finish without a token of its own (e.g. cancelled) ends with an empty special token
+            last = held or TokenEvent(token=-1, text="")
+            final = {**_token(tok, TokenEvent(last.token, last.text + event.text, last.logprob)), "special": held is None}
+            text = (body.inputs if body.parameters.return_full_text else "") + req.text
+            yield flow.sse({"index": index, "token": final, "generated_text": text, "details": _details(req, event)})
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=flow.SSE_HEADERS)
+
+
+@router.post("/", include_in_schema=False)
+async def tgi_root(body: GenerateRequest, http: HttpRequest):
+    return await (generate_stream(body, http) if body.stream else generate(body, http))

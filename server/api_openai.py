@@ -1,0 +1,192 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+from __future__ import annotations
+
+import secrets
+import time
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
+
+from . import flow
+from .errors import InvalidRequest
+from .sampling import SamplingParams
+from .schemas import MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from .sequence import Finished, Request, TokenEvent
+
+router = APIRouter(tags=["openai"])
+
+OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "length", "error": "error"}
+
+
+def openai_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_k=body.top_k if body.top_k and body.top_k > 0 else 0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        seed=body.seed % 2**63 if body.seed is not None else None,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> Request:
+    flow.check_model(http, body.model)
+    engine = flow.engine_of(http)
+    params = openai_params(body, max_tokens if max_tokens is not None else MAX_TOKENS_LIMIT, logprobs)
+    if len(params.stop) > engine.config.max_stop_strings:
+        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
+    return flow.start(
+        http, flow.session_id_of(http, body.session_id), prompt, params,
+        resend=True, max_tokens_given=max_tokens is not None, inject_fault=body.debug_fail_step,
+    )
+
+
+def _usage(f: Finished) -> dict:
+    return {
+        "prompt_tokens": f.prompt_tokens,
+        "completion_tokens": f.completion_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+    }
+
+
+def _chat_logprobs(tok, events: list[TokenEvent]) -> dict:
+    def entry(token_id, logprob):
+        text = tok.decode([token_id], skip_special=False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top]} for e in events]}
+
+
+def _completion_logprobs(tok, events: list[TokenEvent], offset: int = 0) -> dict:
+    tokens = [tok.decode([e.token], skip_special=False) for e in events]
+    offsets, at = [], offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in events],
+        "top_logprobs": [{tok.decode([i], skip_special=False): lp for i, lp in e.top} for e in events],
+        "text_offset": offsets,
+    }
+
+
+class _Stream:
+    """Turns engine events into OpenAI SSE chunks."""
+
+    def __init__(self, http, req, body, kind: str, make_choice, want_logprobs: bool) -> None:
+        self.http, self.req, self.body, self.make_choice, self.want_logprobs = http, req, body, make_choice, want_logprobs
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
+        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self.created, self.model = int(time.time()), http.app.state.config.model_name
+
+    def chunk(self, choices: list, usage: dict | None = None) -> str:
+        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return flow.sse(out)
+
+    async def __aiter__(self):
+        first = self.make_choice(None, None, None, first=True)
+        if first is not None:
+            yield self.chunk([first])
+        async for event in flow.events(self.http, self.req, watch_disconnect=False):
+            if isinstance(event, TokenEvent):
+                if event.text or self.want_logprobs:
+                    yield self.chunk([self.make_choice(event.text, event if self.want_logprobs else None, None)])
+                continue
+            if event.error is not None:
+                yield flow.sse_error(event.error)
+                return
+            yield self.chunk([self.make_choice(event.text, None, OPENAI_REASONS[event.reason])])
+            opts = self.body.stream_options
+            if opts is not None and opts.include_usage:
+                yield self.chunk([], _usage(event))
+        yield flow.sse("[DONE]")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: HttpRequest):
+    tok = flow.engine_of(http).tokenizer
+    prompt = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt)
+    req = _start(http, body, prompt, body.max_tokens, body.logprobs)
+    echo = (body.prompt if isinstance(body.prompt, str) else tok.decode(body.prompt)) if body.echo else ""
+    if body.stream:
+        def choice(text, event, reason, first=False):
+            if first:
+                return {"index": 0, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+            lp = _completion_logprobs(tok, [event]) if event is not None else None
+            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+
+        return StreamingResponse(_Stream(http, req, body, "completion", choice, body.logprobs is not None).__aiter__(),
+                                 media_type="text/event-stream", headers=flow.SSE_HEADERS)
+    events, finished = await flow.collect(http, req)
+    return {
+        "id": "cmpl-" + secrets.token_hex(12),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": http.app.state.config.model_name,
+        "choices": [{
+            "index": 0,
+            "text": echo + req.text,
+            "logprobs": _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None,
+            "finish_reason": OPENAI_REASONS[finished.reason],
+        }],
+        "usage": _usage(finished),
+    }
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
+    tok = flow.engine_of(http).tokenizer
+    text = tok.apply_chat_template([m.plain() for m in body.messages], body.add_generation_prompt)
+    prompt = tok.encode(text, add_special=False)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    req = _start(http, body, prompt, max_tokens, logprobs)
+    if body.stream:
+        def choice(text, event, reason, first=False):
+            if first:
+                return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            delta = {"content": text} if text else {}
+            lp = _chat_logprobs(tok, [event]) if event is not None else None
+            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+
+        return StreamingResponse(_Stream(http, req, body, "chat", choice, body.logprobs).__aiter__(),
+                                 media_type="text/event-stream", headers=flow.SSE_HEADERS)
+    events, finished = await flow.collect(http, req)
+    return {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": http.app.state.config.model_name,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": req.text},
+            "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
+            "finish_reason": OPENAI_REASONS[finished.reason],
+        }],
+        "usage": _usage(finished),
+    }
+
+
+@router.get("/v1/models")
+async def models(http: HttpRequest) -> dict:
+    engine = flow.engine_of(http)
+    return {"object": "list", "data": [{
+        "id": http.app.state.config.model_name,
+        "object": "model",
+        "created": http.app.state.started,
+        "owned_by": "kvserve",
+        "max_model_len": engine.model.config.max_context,
+    }]}

@@ -1,0 +1,45 @@
+"""Session routes: create, inspect, rewind and end conversations whose KV stays resident."""
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+
+from . import flow
+from .schemas import SessionCreate, SessionRewind
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+
+
+@router.post("")
+async def create_session(http: HttpRequest, body: SessionCreate | None = None) -> dict:
+    body = body or SessionCreate()
+    engine = flow.engine_of(http)
+    session = engine.create_session(body.capacity, body.sizing, flow.owner_of(http))
+    return {"object": "session", **session.info()}
+
+
+@router.get("")
+async def list_sessions(http: HttpRequest) -> dict:
+    owner = flow.owner_of(http)
+    sessions = [s.info() for s in flow.engine_of(http).sessions if s.persistent and s.owner == owner]
+    return {"object": "list", "data": sessions}
+
+
+@router.get("/{session_id}")
+async def get_session(session_id: str, http: HttpRequest) -> dict:
+    return {"object": "session", **flow.engine_of(http).sessions.get(session_id, flow.owner_of(http)).info()}
+
+
+@router.delete("/{session_id}")
+async def delete_session(session_id: str, http: HttpRequest) -> dict:
+    engine = flow.engine_of(http)
+    engine.delete_session(engine.sessions.get(session_id, flow.owner_of(http)))
+    return {"id": session_id, "object": "session", "deleted": True}
+
+
+@router.post("/{session_id}/rewind")
+async def rewind_session(session_id: str, body: SessionRewind, http: HttpRequest) -> dict:
+    engine = flow.engine_of(http)
+    session = engine.sessions.get(session_id, flow.owner_of(http))
+    engine.rewind_session(session, body.length)
+    return {"object": "session", **session.info()}

@@ -1,0 +1,114 @@
+"""The FastAPI application: routes, API keys, body limit, and one mapping of errors to JSON."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .config import ServerConfig
+from .engine import Engine
+from .errors import ApiError, PayloadTooLarge, Unauthorized
+from . import api_misc, api_native, api_openai, api_sessions
+
+log = logging.getLogger("kvserve.app")
+PUBLIC_PATHS = {"/health"}
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+class GuardMiddleware:
+    """Checks the API key and the body size before a request reaches any route."""
+
+    def __init__(self, app, keys: frozenset[str], max_body: int) -> None:
+        self.app, self.keys, self.max_body = app, keys, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        owner = None
+        if self.keys and scope["path"] not in PUBLIC_PATHS:
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+            if token not in self.keys:
+                msg = "missing API key" if token is None else "invalid API key"
+                return await _error_response(Unauthorized(msg))(scope, receive, send)
+            owner = token
+        scope.setdefault("state", {})["owner"] = owner
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            err = PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
+            return await _error_response(err)(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:
+                raise PayloadTooLarge(f"request body exceeds the limit of {self.max_body} bytes")
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON body: {first.get('msg')}", None
+    field = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"{field or 'body'}: {first.get('msg')}{more}", field
+
+
+def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = frozenset(), fault_injection: bool = False) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        log.info("serving model %s", config.model_name)
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
+    app.state.engine, app.state.config = engine, config
+    app.state.fault_injection, app.state.started = fault_injection, int(time.time())
+    for module in (api_native, api_openai, api_sessions, api_misc):
+        app.include_router(module.router)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_, exc: ApiError):
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        message, field = _validation_message(exc)
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": field, "code": 400}},
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return JSONResponse({"error": {"message": detail, "type": kind, "param": None, "code": exc.status_code}},
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_, exc: Exception):
+        log.exception("unhandled error")
+        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
+                                       "param": None, "code": 500}}, status_code=500)
+
+    app.add_middleware(GuardMiddleware, keys=api_keys, max_body=config.max_body_bytes)
+    return app

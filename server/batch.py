@@ -1,0 +1,30 @@
+"""The contract between scheduler and runner: which tokens of which sessions one step runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive pending tokens of one session; `sample` asks for the next token after them."""
+
+    request_id: str
+    session_id: str
+    tokens: tuple[int, ...]
+    start: int  # position of tokens[0] (== the session's cached length before the step)
+    sample: bool
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything one forward runs, in the order of the flat token axis."""
+
+    chunks: tuple[Chunk, ...] = ()
+    inject_fault: bool = False  # test hook: fail this step after the forward (see --fault-injection)
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)

@@ -1,0 +1,194 @@
+"""The `kvserve` command: fetch, export, generate, serve."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from kvcache import Sizing
+
+from .config import EngineConfig, ServerConfig, parse_bytes
+
+log = logging.getLogger("kvserve")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from models.catalog import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file, HF folder or exported artifact folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    p.add_argument("--session-capacity", type=int, default=d.session_capacity, help="default tokens per session")
+    p.add_argument("--session-sizing", choices=[s.value for s in Sizing], default=d.session_sizing.value)
+    p.add_argument("--kv-budget", type=parse_bytes, default=d.kv_budget, help="bytes for all KV caches, e.g. 2GiB")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per step (chunked prefill)")
+    p.add_argument("--max-running", type=int, default=d.max_running, help="sessions per step")
+    p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
+
+
+def _engine_config(args, model_context: int) -> EngineConfig:
+    return EngineConfig(
+        session_capacity=min(args.session_capacity, model_context),
+        session_sizing=Sizing(args.session_sizing),
+        kv_budget=args.kv_budget,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+        max_queued=args.max_queued,
+    )
+
+
+def cmd_fetch(args) -> int:
+    from models.catalog import fetch
+
+    print(fetch(args.model))
+    return 0
+
+
+def cmd_export(args) -> int:
+    from models.export import save_artifact
+    from models.loader import DTYPES, export_checkpoint, resolve
+
+    start = time.time()
+    program, config, tokenizer = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True)
+    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model)
+    print(f"exported {args.model} to {args.out} in {time.time() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from models.loader import load_model
+
+    from .engine import Engine
+    from .sampling import SamplingParams
+    from .sequence import Finished
+
+    model = load_model(args.model, args.dtype, progress=True)
+    tok = model.tokenizer
+    chat = not args.raw and tok.meta.chat_template is not None
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special=False) if chat else tok.encode(args.prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, stop=tuple(args.stop))
+
+    async def run() -> int:
+        engine = Engine(model, _engine_config(args, model.config.max_context))
+        engine.start()
+        session = engine.create_session(None, None, None, persistent=False)
+        req = engine.submit(session, prompt, params, resend=False)
+        while True:
+            event = await req.events.get()
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            if isinstance(event, Finished):
+                break
+        sys.stdout.write("\n")
+        await engine.stop()
+        return 0 if event.error is None else 1
+
+    return asyncio.run(run())
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from models.loader import load_model
+
+    from .app import create_app
+    from .engine import Engine
+
+    start = time.time()
+    model = load_model(args.model, args.dtype, progress=True)
+    name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
+    engine = Engine(model, _engine_config(args, model.config.max_context))
+    server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
+    app = create_app(engine, server_config, frozenset(args.api_key or ()), args.fault_injection)
+    log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
+             model.config.max_context, time.time() - start)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5), engine, args.shutdown_timeout)
+    log.info("listening on http://%s:%d", args.host, args.port)
+    server.run()
+    return 0
+
+
+class DrainingServer:
+    """uvicorn, except that SIGTERM first drains: new work gets 503 while in-flight requests finish."""
+
+    def __new__(cls, config, engine, timeout):
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            draining = False
+
+            def handle_exit(self, sig, frame):
+                if sig == signal.SIGTERM and not self.draining:
+                    self.draining = True
+                    log.info("SIGTERM: draining for up to %.0fs", timeout)
+                    asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+                    return
+                super().handle_exit(sig, frame)
+
+            async def _drain(self):
+                finished = await engine.drain(timeout)
+                log.info("drained (%s); exiting", "all finished" if finished else "timed out")
+                self.should_exit = True
+
+        return _Server(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="kvserve", description="CPU-first multi-session LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("fetch", help="download a named model into the cache folder")
+    _add_model_args(p)
+    p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("export", help="export a model once into an artifact folder")
+    _add_model_args(p)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="generate from a prompt, streaming to stdout")
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.add_argument("prompt")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve the HTTP API")
+    _add_model_args(p)
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", action="append", help="require this Bearer key (repeat for several keys)")
+    p.add_argument("--max-body-bytes", type=parse_bytes, default=ServerConfig().max_body_bytes)
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
+    p.add_argument("--fault-injection", action="store_true", help="honour debug_fail_step in requests (testing only)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, OSError) as e:
+        log.error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

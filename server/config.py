@@ -1,0 +1,53 @@
+"""Frozen engine and server settings, filled from CLI flags."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvcache import Sizing
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB' -> 2147483648; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a byte size: {text!r} (use e.g. 512MiB, 2GiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity and batching limits of one engine."""
+
+    session_capacity: int = 2048  # tokens per session unless a session asks for another
+    session_sizing: Sizing = Sizing.DYNAMIC
+    kv_budget: int = 4 * 2**30  # bytes held by every installed cache together
+    max_batch_tokens: int = 256  # tokens per step (chunked prefill budget)
+    max_running: int = 64  # sessions per step
+    max_queued: int = 256  # requests waiting for a running slot
+    default_max_tokens: int = 256  # when a request names none
+    max_stop_strings: int = 16
+    max_prompt_tokens: int = 32768
+    max_sessions: int = 4096  # persistent sessions, resident or evicted
+
+    def __post_init__(self) -> None:
+        for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        object.__setattr__(self, "session_sizing", Sizing(self.session_sizing))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP-facing settings."""
+
+    model_name: str = "model"
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 2**20
+    shutdown_timeout: float = 30.0
+    retry_after_s: int = 1

@@ -1,0 +1,48 @@
+"""Typed errors for user-facing failures; one handler turns each into a JSON error with its status."""
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    """An error a client caused or must handle; carries its HTTP status."""
+
+    status = 500
+    kind = "server_error"
+
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message, self.param, self.headers = message, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+class InvalidRequest(ApiError):
+    status, kind = 400, "invalid_request_error"
+
+
+class Unauthorized(ApiError):
+    status, kind = 401, "authentication_error"
+
+
+class NotFound(ApiError):
+    status, kind = 404, "not_found_error"
+
+
+class Conflict(ApiError):
+    status, kind = 409, "conflict_error"
+
+
+class PayloadTooLarge(ApiError):
+    status, kind = 413, "invalid_request_error"
+
+
+class Overloaded(ApiError):
+    status, kind = 429, "rate_limit_error"
+
+
+class ShuttingDown(ApiError):
+    status, kind = 503, "unavailable_error"
+
+
+class StepFailed(ApiError):
+    status, kind = 500, "server_error"

@@ -1,0 +1,109 @@
+"""What every generation route does: pick the session, submit, then stream or collect the events."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request as HttpRequest
+
+from .engine import Engine
+from .errors import ApiError, InvalidRequest, NotFound
+from .sampling import SamplingParams
+from .sequence import Finished, Request, TokenEvent
+
+
+def engine_of(http: HttpRequest) -> Engine:
+    return http.app.state.engine
+
+
+def owner_of(http: HttpRequest) -> str | None:
+    return getattr(http.state, "owner", None)
+
+
+def check_model(http: HttpRequest, model: str | None) -> None:
+    served = http.app.state.config.model_name
+    if model is not None and model not in (served, "", "tgi"):
+        raise NotFound(f"the model {model!r} does not exist; this server serves {served!r}", param="model")
+
+
+def session_id_of(http: HttpRequest, body_session: str | None) -> str | None:
+    return body_session or http.headers.get("x-session-id") or None
+
+
+def start(
+    http: HttpRequest,
+    session_id: str | None,
+    prompt: list[int],
+    params: SamplingParams,
+    *,
+    resend: bool,
+    max_tokens_given: bool,
+    inject_fault: bool = False,
+) -> Request:
+    """Submit to the engine, on the named session or on a temporary one removed when done."""
+    engine = engine_of(http)
+    if inject_fault and not http.app.state.fault_injection:
+        raise InvalidRequest("debug_fail_step needs a server started with --fault-injection", param="debug_fail_step")
+    owner = owner_of(http)
+    if session_id is not None:
+        session, temporary = engine.sessions.get(session_id, owner), False
+    else:
+        session, temporary = engine.create_session(None, None, owner, persistent=False), True
+    try:
+        return engine.submit(session, prompt, params, resend, max_tokens_given, inject_fault)
+    except Exception:
+        if temporary:
+            engine.delete_session(session)
+        raise
+
+
+async def events(http: HttpRequest, req: Request, watch_disconnect: bool) -> AsyncIterator[TokenEvent | Finished]:
+    """Yield the request's events until it finishes; a client that goes away cancels it."""
+    engine = engine_of(http)
+    getter: asyncio.Task | None = None
+    try:
+        while True:
+            getter = getter or asyncio.ensure_future(req.events.get())
+            done, _ = await asyncio.wait({getter}, timeout=0.25 if watch_disconnect else None)
+            if not done:
+                if await http.is_disconnected():
+                    return
+                continue
+            event, getter = getter.result(), None
+            yield event
+            if isinstance(event, Finished):
+                return
+    finally:
+        if getter is not None:
+            getter.cancel()
+        engine.cancel(req)
+
+
+async def collect(http: HttpRequest, req: Request) -> tuple[list[TokenEvent], Finished]:
+    """Run a non-streaming request to its end (cancelling it if the client disconnects)."""
+    tokens: list[TokenEvent] = []
+    async for event in events(http, req, watch_disconnect=True):
+        if isinstance(event, Finished):
+            raise_if_failed(event)
+            return tokens, event
+        tokens.append(event)
+    raise asyncio.CancelledError("client disconnected")
+
+
+def raise_if_failed(finished: Finished) -> None:
+    if finished.error is not None:
+        raise finished.error if isinstance(finished.error, ApiError) else ApiError(str(finished.error))
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def sse_error(error: Exception | None) -> str:
+    err = error if isinstance(error, ApiError) else ApiError(str(error))
+    return sse(err.body())
+
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,46 @@
+"""Prometheus metrics, named after vLLM's (prefix kvserve: instead of vllm:)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_SESSIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    """One engine's metrics, in a registry of its own (no process-global state)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+
+        def hist(name, doc, buckets=_LATENCY):
+            return Histogram(name, doc, ["model_name"], registry=r, buckets=buckets).labels(model_name)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["model_name"], registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, ["model_name"], registry=r).labels(model_name)
+
+        self.ttft = hist("kvserve:time_to_first_token_seconds", "Time to first token")
+        self.tpot = hist("kvserve:time_per_output_token_seconds", "Time per output token")
+        self.e2e = hist("kvserve:e2e_request_latency_seconds", "End-to-end request latency")
+        self.queue = hist("kvserve:request_queue_time_seconds", "Time spent waiting for admission")
+        self.step_sessions = hist("kvserve:step_num_sessions", "Sessions per model step", _SESSIONS)
+        self.running = gauge("kvserve:num_requests_running", "Requests in the running set")
+        self.waiting = gauge("kvserve:num_requests_waiting", "Requests waiting for admission")
+        self.kv_usage = gauge("kvserve:kv_cache_usage_perc", "Fraction of the KV budget held by caches")
+        self.kv_bytes = gauge("kvserve:kv_cache_usage_bytes", "Bytes held by installed caches")
+        self.sessions = gauge("kvserve:num_sessions", "Sessions alive (persistent and temporary)")
+        self.prompt_tokens = counter("kvserve:prompt_tokens", "Prompt tokens prefilled (reused KV excluded)")
+        self.generation_tokens = counter("kvserve:generation_tokens", "Generated tokens")
+        self.preemptions = counter("kvserve:num_preemptions", "Running requests preempted for KV memory")
+        self.evictions = counter("kvserve:num_session_evictions", "Idle sessions whose KV was evicted")
+        self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,44 @@
+"""Runs one StepBatch through the exported program and samples the next tokens."""
+from __future__ import annotations
+
+import torch
+
+from kvcache import CacheRegistry
+from models.export import LoadedModel
+
+from .batch import StepBatch
+from .sampling import Sampled, SampleRow, sample
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by a step marked for fault injection (tests and drills only)."""
+
+
+class ModelRunner:
+    """Owns the exported program; called from the engine's single worker thread."""
+
+    def __init__(self, model: LoadedModel, registry: CacheRegistry) -> None:
+        self.model = model
+        self.registry = registry
+
+    def run(self, batch: StepBatch, rows: list[SampleRow]) -> list[Sampled]:
+        tokens = [t for c in batch.chunks for t in c.tokens]
+        positions = [c.start + i for c in batch.chunks for i in range(len(c.tokens))]
+        ends, at = [], 0
+        for c in batch.chunks:
+            at += len(c.tokens)
+            if c.sample:
+                ends.append(at - 1)  # the last row of a chunk predicts the token after it
+        self.registry.set_active([(c.session_id, len(c.tokens)) for c in batch.chunks])
+        try:
+            with torch.inference_mode():
+                logits = self.model.forward(
+                    torch.tensor([tokens], dtype=torch.long),  # [1, n]
+                    torch.tensor(positions, dtype=torch.long).unsqueeze(1),  # [n, 1]
+                    torch.tensor(ends if ends else [0], dtype=torch.long),  # [m]
+                )
+        finally:
+            self.registry.set_active(None)
+        if batch.inject_fault:
+            raise InjectedFault("fault injected into this step on request")
+        return sample(logits, rows) if ends else []

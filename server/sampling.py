@@ -1,0 +1,123 @@
+"""Token sampling outside the graph, vectorized over the rows of a step.
+
+Every row draws its one uniform number from its own request's generator, so a seeded request samples
+the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings; temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs from one row's request."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One sampled token, with log-probabilities when asked for."""
+
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def _penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    m, vocab = logits.shape
+    counts = torch.zeros(m, vocab)
+    seen = torch.zeros(m, vocab, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r.output_ids:
+            out = torch.tensor(r.output_ids, dtype=torch.long).clamp_(0, vocab - 1)
+            counts[i].index_add_(0, out, torch.ones(len(out)))
+        if r.prompt_ids and r.params.repetition_penalty != 1.0:
+            seen[i, torch.tensor(r.prompt_ids, dtype=torch.long).clamp_(0, vocab - 1)] = True
+    seen |= counts > 0
+    rep = torch.tensor([r.params.repetition_penalty for r in rows]).unsqueeze(1)  # [m, 1]
+    pres = torch.tensor([r.params.presence_penalty for r in rows]).unsqueeze(1)
+    freq = torch.tensor([r.params.frequency_penalty for r in rows]).unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p remove, on logits sorted descending per row."""
+    vocab = sorted_logits.shape[1]
+    ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows]).unsqueeze(1)
+    top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
+    min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
+    probs = sorted_logits.softmax(-1)
+    drop = ranks >= top_k
+    drop |= (probs.cumsum(-1) - probs) > top_p  # keeps the smallest prefix reaching top_p
+    drop |= probs < min_p * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
+    """logits [m, V] float32, one row per request that samples -> one token each."""
+    raw = logits
+    if any(r.params.penalized for r in rows):
+        logits = _penalize(logits, rows)
+    greedy = torch.tensor([r.params.greedy for r in rows])
+    tokens = logits.argmax(-1)
+    if not bool(greedy.all()):
+        temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows]).unsqueeze(1)
+        sorted_logits, order = (logits / temps).sort(dim=-1, descending=True)  # [m, V] each
+        probs = _filter_sorted(sorted_logits, rows).softmax(-1)
+        u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [m], one draw per row
+        cdf = probs.cumsum(-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=probs.shape[1] - 1)  # [m, 1]
+        drawn = order.gather(1, pick).squeeze(1)
+        tokens = torch.where(greedy, tokens, drawn)
+    out = tokens.tolist()
+    if all(r.params.logprobs is None for r in rows):
+        return [Sampled(t) for t in out]
+    logp = raw.log_softmax(-1)
+    result = []
+    for i, (r, t) in enumerate(zip(rows, out)):
+        if r.params.logprobs is None:
+            result.append(Sampled(t))
+            continue
+        top = ()
+        if r.params.logprobs > 0:
+            values, ids = logp[i].topk(r.params.logprobs)
+            top = tuple(zip(ids.tolist(), values.tolist()))
+        result.append(Sampled(t, float(logp[i, t]), top))
+    return result

@@ -1,0 +1,100 @@
+"""One generation request: its session, sampling state, streamed text and finish condition."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from models.detokenizer import IncrementalDetokenizer
+from models.tokenizer import TextTokenizer
+
+from .sampling import Sampled, SampleRow, SamplingParams
+from .session import Session
+from .stops import StopMatcher
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """A sampled token and the text it makes final (may be empty while held back)."""
+
+    token: int
+    text: str
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The end of a request, with its usage."""
+
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    text: str  # text released at the end (held-back tail, if no stop string matched)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    error: Exception | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """State of one request from submission to its Finished event."""
+
+    session: Session
+    params: SamplingParams
+    tokenizer: TextTokenizer
+    prompt_tokens: int  # tokens of this request's prompt
+    cached_tokens: int  # of which were reused from the session's resident KV
+    id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
+    inject_fault: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: Finished | None = None
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        seed = self.params.seed if self.params.seed is not None else secrets.randbits(62)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.detok = IncrementalDetokenizer(self.tokenizer)
+        self.stops = StopMatcher(self.params.stop)
+        self.prompt_ids = list(self.session.tokens)  # for the repetition penalty
+
+    def sample_row(self) -> SampleRow:
+        return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids)
+
+    @property
+    def wants_tokens(self) -> bool:
+        return len(self.output_ids) < self.params.max_tokens
+
+    def accept(self, s: Sampled, eos_ids: frozenset[int]) -> None:
+        """Append a sampled token to the session and the stream; finish when a stop condition holds."""
+        now = time.monotonic()
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        self.output_ids.append(s.token)
+        self.session.tokens.append(s.token)
+        is_eos = (s.token in eos_ids and not self.params.ignore_eos) or s.token in self.params.stop_token_ids
+        delta = "" if is_eos else self.stops.feed(self.detok.push(s.token))
+        self.text += delta
+        self.events.put_nowait(TokenEvent(s.token, delta, s.logprob, s.top))
+        if is_eos or self.stops.stopped:
+            self.finish("stop")
+        elif not self.wants_tokens or len(self.session.tokens) >= self.session.capacity:
+            self.finish("length")
+
+    def finish(self, reason: str, error: Exception | None = None) -> None:
+        if self.finished is not None:
+            return
+        tail = ""
+        if not self.stops.stopped:
+            tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
+        self.text += tail
+        self.finished = Finished(reason, tail, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error)
+        self.events.put_nowait(self.finished)

@@ -1,0 +1,96 @@
+"""Sessions: token histories whose KV stays resident between requests, and their store."""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from kvcache import SessionCache, Sizing
+
+from .errors import Conflict, InvalidRequest, NotFound, Overloaded
+
+
+@dataclass(eq=False)
+class Session:
+    """One conversation: its full token history and, while resident, the cache holding its KV."""
+
+    id: str
+    capacity: int
+    sizing: Sizing
+    persistent: bool
+    owner: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    cache: SessionCache | None = None  # None: evicted or never run; rebuilt by prefill
+    busy: object | None = None  # the Request running on it, if any
+    last_used: float = field(default_factory=time.monotonic)
+
+    @property
+    def cached_length(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+    @property
+    def pending(self) -> list[int]:
+        """Tokens of the history whose KV is not in the cache yet."""
+        return self.tokens[self.cached_length :]
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens of the history (and of the cache)."""
+        del self.tokens[length:]
+        if self.cache is not None and self.cache.length > length:
+            self.cache.rewind(self.cache.length - length)
+
+    def info(self) -> dict:
+        return {
+            "id": self.id,
+            "length": len(self.tokens),
+            "cached_length": self.cached_length,
+            "capacity": self.capacity,
+            "sizing": self.sizing.value,
+            "bytes": self.cache.nbytes if self.cache is not None else 0,
+            "resident": self.cache is not None,
+            "busy": self.busy is not None,
+        }
+
+
+class SessionStore:
+    """Persistent and temporary sessions by id; ids are unguessable and scoped to their owner's key."""
+
+    def __init__(self, max_sessions: int) -> None:
+        self._sessions: dict[str, Session] = {}
+        self.max_sessions = max_sessions
+
+    def create(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None) -> Session:
+        if persistent and sum(s.persistent for s in self._sessions.values()) >= self.max_sessions:
+            raise Overloaded(f"the server holds its maximum of {self.max_sessions} sessions; delete some first")
+        session = Session(secrets.token_urlsafe(18), capacity, sizing, persistent, owner)
+        self._sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str, owner: str | None) -> Session:
+        session = self._sessions.get(session_id)
+        # Another key's session is reported as missing, so ids cannot be probed across keys.
+        if session is None or not session.persistent or session.owner != owner:
+            raise NotFound(f"no session {session_id!r}", param="session_id")
+        return session
+
+    def remove(self, session: Session) -> None:
+        self._sessions.pop(session.id, None)
+
+    def check_idle(self, session: Session) -> None:
+        if session.busy is not None:
+            raise Conflict(f"session {session.id!r} is busy with another request", param="session_id")
+
+    def resident_idle(self) -> list[Session]:
+        """Idle sessions holding a cache, least recently used first (eviction order)."""
+        idle = [s for s in self._sessions.values() if s.cache is not None and s.busy is None]
+        return sorted(idle, key=lambda s: s.last_used)
+
+    def __iter__(self):
+        return iter(list(self._sessions.values()))
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def validate_capacity(self, capacity: int, model_context: int) -> None:
+        if capacity > model_context:
+            raise InvalidRequest(f"capacity {capacity} exceeds the model's context of {model_context} tokens", param="capacity")

@@ -1,0 +1,71 @@
+"""Shared fixtures: the real SmolLM2 model, tiny random HF checkpoints, and live servers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from models import DEFAULT_MODEL, fetch, load_model
+
+from .live_server import LiveServer
+
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return fetch(DEFAULT_MODEL, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    return load_model(DEFAULT_MODEL)
+
+
+def write_tiny_checkpoint(folder: Path, arch: str, tokenizer_source, tie: bool = False, seed: int = 0) -> Path:
+    """A random transformers checkpoint (Llama with GQA, or Qwen2 with qkv bias) plus a real tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=tokenizer_source.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rope_theta=10000.0,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # make the biases matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    tokenizer_source.tokenizer.save(str(folder / "tokenizer.json"))
+    meta = tokenizer_source.meta
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": meta.chat_template, "eos_token": meta.eos_token, "bos_token": meta.bos_token,
+        "add_bos_token": False,
+    }))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, smollm):
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "llama": write_tiny_checkpoint(root / "llama", "llama", smollm.tokenizer, seed=1),
+        "qwen2": write_tiny_checkpoint(root / "qwen2", "qwen2", smollm.tokenizer, seed=2),
+        "tied": write_tiny_checkpoint(root / "tied", "llama", smollm.tokenizer, tie=True, seed=3),
+    }
+
+
+@pytest.fixture(scope="session")
+def smollm_server(smollm):
+    """One shared server on the real model, for tests that only read from it."""
+    with LiveServer(smollm) as server:
+        yield server

@@ -1,0 +1,62 @@
+"""A real uvicorn server on 127.0.0.1 and a free port, running in a background thread."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from server.app import create_app
+from server.config import EngineConfig, ServerConfig
+from server.engine import Engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+class LiveServer:
+    """In-process server, so tests can also look at the engine and the cache registry."""
+
+    def __init__(self, model, engine_config: EngineConfig | None = None, api_keys=(), fault_injection=False, name="smollm2-135m-instruct"):
+        self.engine = Engine(model, engine_config or EngineConfig())
+        self.app = create_app(self.engine, ServerConfig(model_name=name), frozenset(api_keys), fault_injection)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        wait_healthy(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def start_cli_server(args: list[str], port: int) -> subprocess.Popen:
+    """`kvserve serve` as its own process (for signal and CLI tests)."""
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -60,3 +60,18 @@ def start_cli_server(args: list[str], port: int) -> subprocess.Popen:
     """`kvserve serve` as its own process (for signal and CLI tests)."""
     cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
+    """Prometheus samples of /metrics as {name{labels}: value} (labels as printed)."""
+    out = {}
+    for line in httpx.get(url + "/metrics", headers=headers or {}).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def metric(url: str, prefix: str, headers: dict | None = None) -> float:
+    """Sum of every sample whose name starts with `prefix`."""
+    return sum(v for k, v in metrics(url, headers).items() if k.startswith(prefix))

@@ -1,0 +1,151 @@
+"""The scheduler against real caches and a real (tiny) tokenizer, with no model: rule 6's contract."""
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from kvcache import CacheConfig, CacheRegistry, Sizing
+from models.tokenizer import TextTokenizer, TokenizerMeta
+from server.config import EngineConfig
+from server.errors import Overloaded
+from server.kv_pool import KVPool
+from server.sampling import Sampled, SamplingParams
+from server.scheduler import Scheduler
+from server.sequence import Finished, Request
+from server.session import SessionStore
+
+LAYOUT = CacheConfig(n_layers=2, n_kv_heads=1, head_dim=4, capacity=1)  # 64 bytes per token
+EOS = 0
+
+
+@pytest.fixture
+def tokenizer():
+    vocab = {f"w{i}": i for i in range(100)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return TextTokenizer(tok, TokenizerMeta(eos_ids=(EOS,)))
+
+
+def make(budget_tokens=10_000, **kw):
+    config = EngineConfig(kv_budget=budget_tokens * LAYOUT.bytes_per_token(), **kw)
+    registry = CacheRegistry()
+    pool = KVPool(registry, config.kv_budget, LAYOUT)
+    sessions = SessionStore(100)
+    return Scheduler(config, pool, sessions, frozenset({EOS})), sessions, registry
+
+
+def submit(sched, sessions, tokenizer, prompt_len, max_tokens=4, session=None, capacity=64, sizing=Sizing.DYNAMIC):
+    s = session or sessions.create(capacity, sizing, persistent=session is not None, owner=None)
+    s.tokens.extend(range(1, prompt_len + 1))
+    req = Request(s, SamplingParams(max_tokens=max_tokens, temperature=0.0), tokenizer, prompt_len, 0)
+    sched.add(req)
+    return req
+
+
+def run_step(sched, batch, token=7):
+    """What the runner does to the caches, then the sampled tokens."""
+    for c in batch.chunks:
+        cache = sched.by_id[c.request_id].session.cache
+        assert cache.length == c.start
+        cache.reserve(len(c.tokens))
+        cache.commit(len(c.tokens))
+    sched.postprocess(batch, [Sampled(token) for c in batch.chunks if c.sample])
+
+
+def test_chunked_prefill_shares_the_token_budget_with_decodes(tokenizer):
+    sched, sessions, _ = make(max_batch_tokens=8)
+    a = submit(sched, sessions, tokenizer, 3)
+    b1 = sched.schedule()
+    assert [(len(c.tokens), c.sample) for c in b1.chunks] == [(3, True)]
+    run_step(sched, b1)
+    b = submit(sched, sessions, tokenizer, 20)
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append([(c.request_id, len(c.tokens), c.sample) for c in batch.chunks])
+        run_step(sched, batch)
+    # a decodes one token every step; b's prompt fills the rest of the budget in chunks of 7
+    assert steps[0] == [(a.id, 1, True), (b.id, 7, False)]
+    assert steps[1] == [(a.id, 1, True), (b.id, 7, False)]
+    assert steps[2] == [(a.id, 1, True), (b.id, 6, True)]
+    assert a.finished is not None and a.finished.reason == "length" and len(a.output_ids) == 4
+    assert b.session.cached_length == 20 and b.output_ids == [7]
+
+
+def test_running_limit_queue_limit_and_fcfs(tokenizer):
+    sched, sessions, _ = make(max_running=2, max_queued=2)
+    reqs = [submit(sched, sessions, tokenizer, 2) for _ in range(2)]
+    batch = sched.schedule()
+    assert {c.request_id for c in batch.chunks} == {r.id for r in reqs}
+    late = [submit(sched, sessions, tokenizer, 2) for _ in range(2)]
+    with pytest.raises(Overloaded):
+        submit(sched, sessions, tokenizer, 2)
+    run_step(sched, batch)
+    assert [c.request_id for c in sched.schedule().chunks] == [r.id for r in reqs]
+    assert list(sched.waiting) == late
+
+
+def test_cancelled_requests_are_reaped_and_temporary_sessions_removed(tokenizer):
+    sched, sessions, registry = make()
+    req = submit(sched, sessions, tokenizer, 5, max_tokens=50)
+    run_step(sched, sched.schedule())
+    assert req.session.id in registry
+    req.cancelled = True
+    assert not sched.schedule()
+    assert req.finished.reason == "cancelled"
+    assert len(sessions) == 0 and len(registry) == 0
+    events = []
+    while not req.events.empty():
+        events.append(req.events.get_nowait())
+    assert isinstance(events[-1], Finished)
+
+
+def test_idle_sessions_are_evicted_lru_and_keep_their_history(tokenizer):
+    sched, sessions, registry = make(budget_tokens=2 * 32)
+    persistent = [sessions.create(32, Sizing.STATIC, True, None) for _ in range(3)]
+    for s in persistent[:2]:
+        req = submit(sched, sessions, tokenizer, 4, max_tokens=1, session=s)
+        run_step(sched, sched.schedule())
+        assert req.finished is not None
+    assert all(s.cache is not None for s in persistent[:2])
+    req = submit(sched, sessions, tokenizer, 4, max_tokens=1, session=persistent[2])
+    run_step(sched, sched.schedule())
+    assert persistent[0].cache is None and persistent[0].id not in registry  # least recently used
+    assert persistent[1].cache is not None and persistent[2].cache is not None
+    assert persistent[0].tokens == [1, 2, 3, 4, 7] and persistent[0].pending == [1, 2, 3, 4, 7]
+    assert sched.pool.used() <= sched.pool.budget
+
+
+def test_preemption_recomputes_youngest_and_nobody_starves(tokenizer):
+    # two dynamic sessions start at 16 slots each and grow to 32; there is room for 40 in all,
+    # so the older one's growth preempts the younger, which later recomputes its KV
+    sched, sessions, _ = make(budget_tokens=40, max_batch_tokens=64)
+    old = submit(sched, sessions, tokenizer, 14, max_tokens=18)
+    young = submit(sched, sessions, tokenizer, 14, max_tokens=18)
+    preempted = False
+    for _ in range(200):
+        batch = sched.schedule()
+        if not batch:
+            break
+        run_step(sched, batch)
+        preempted |= young in sched.waiting
+        assert sched.pool.used() <= sched.pool.budget
+    assert preempted
+    assert old.finished.reason == "length" and young.finished.reason == "length"
+    assert old.finished is not None and sched.preemptions >= 1
+    assert len(old.output_ids) == len(young.output_ids) == 18
+
+
+def test_eos_finishes_and_failed_step_rolls_back(tokenizer):
+    sched, sessions, _ = make()
+    req = submit(sched, sessions, tokenizer, 3, max_tokens=10)
+    run_step(sched, sched.schedule(), token=EOS)
+    assert req.finished.reason == "stop"
+    s = sessions.create(64, Sizing.DYNAMIC, True, None)
+    req = submit(sched, sessions, tokenizer, 3, max_tokens=10, session=s)
+    run_step(sched, sched.schedule())
+    batch = sched.schedule()
+    for c in batch.chunks:  # the forward wrote and committed, then the step failed
+        s.cache.reserve(len(c.tokens))
+        s.cache.commit(len(c.tokens))
+    sched.fail_step(batch, RuntimeError("boom"))
+    assert s.cache.length == 3 and req.finished.reason == "error"
+    assert s.busy is None and s.pending == [7]

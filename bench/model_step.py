@@ -1,0 +1,72 @@
+"""Latency of one model step: decode at batch 1/8/32/64 sessions, and a 512-token prefill. Prints JSON.
+
+    python bench/model_step.py [--model smollm2-135m-instruct] [--context 128] [--repeats 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from kvcache import REGISTRY, CacheConfig, SessionCache
+from models import DEFAULT_MODEL, load_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    model = load_model(args.model, args.dtype)
+    c = model.config
+    layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=model.dtype)
+    vocab = c.vocab_size
+    results = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+               "machine": platform.processor() or platform.machine(), "decode": {}}
+
+    def forward(tokens, positions, rows):
+        with torch.inference_mode():
+            return model.forward(torch.tensor([tokens]), torch.tensor(positions).unsqueeze(1), torch.tensor(rows))
+
+    for b in [int(x) for x in args.batches.split(",")]:
+        keys = [f"bench-{b}-{i}" for i in range(b)]
+        for k in keys:
+            REGISTRY.install(k, SessionCache(CacheConfig(capacity=args.context + args.repeats + 8, **layout)))
+            REGISTRY.set_active(k)
+            forward(torch.randint(0, vocab, (args.context,)).tolist(), list(range(args.context)), [args.context - 1])
+        REGISTRY.set_active([(k, 1) for k in keys])
+        times = []
+        for r in range(args.repeats + 1):
+            pos = [args.context + r] * b
+            t = time.perf_counter()
+            forward(torch.randint(0, vocab, (b,)).tolist(), pos, list(range(b)))
+            times.append(time.perf_counter() - t)
+        times = times[1:]  # the first step warms up
+        med = statistics.median(times)
+        results["decode"][str(b)] = {"median_ms": round(med * 1e3, 2), "p90_ms": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 2),
+                                     "tokens_per_s": round(b / med, 1)}
+        for k in keys:
+            REGISTRY.uninstall(k)
+    REGISTRY.install("bench-prefill", SessionCache(CacheConfig(capacity=args.prefill, **layout)))
+    times = []
+    for _ in range(3):
+        REGISTRY.get("bench-prefill").reset()
+        REGISTRY.set_active("bench-prefill")
+        t = time.perf_counter()
+        forward(torch.randint(0, vocab, (args.prefill,)).tolist(), list(range(args.prefill)), [args.prefill - 1])
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    results["prefill"] = {"tokens": args.prefill, "median_ms": round(med * 1e3, 1), "tokens_per_s": round(args.prefill / med, 1)}
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

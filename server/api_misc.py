@@ -8,9 +8,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import flow
 from .errors import InvalidRequest
-from .schemas import DetokenizeRequest, TokenizeRequest
+from .schemas import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 
-router = APIRouter(tags=["utility"])
+router = APIRouter(tags=["utility"], responses=ERROR_RESPONSES)
 
 
 @router.post("/tokenize")

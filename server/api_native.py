@@ -8,10 +8,10 @@ from fastapi.responses import StreamingResponse
 from . import flow
 from .errors import InvalidRequest
 from .sampling import SamplingParams
-from .schemas import GenerateParameters, GenerateRequest
+from .schemas import ERROR_RESPONSES, GenerateParameters, GenerateRequest
 from .sequence import Finished, Request, TokenEvent
 
-router = APIRouter(tags=["tgi"])
+router = APIRouter(tags=["tgi"], responses=ERROR_RESPONSES)
 
 TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "cancelled": "length", "error": "length"}
 

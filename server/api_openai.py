@@ -11,10 +11,10 @@ from fastapi.responses import StreamingResponse
 from . import flow
 from .errors import InvalidRequest
 from .sampling import SamplingParams
-from .schemas import MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from .schemas import ERROR_RESPONSES, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from .sequence import Finished, Request, TokenEvent
 
-router = APIRouter(tags=["openai"])
+router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 
 OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "length", "error": "error"}
 

@@ -5,9 +5,9 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 
 from . import flow
-from .schemas import SessionCreate, SessionRewind
+from .schemas import ERROR_RESPONSES, SessionCreate, SessionRewind
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RESPONSES)
 
 
 @router.post("")

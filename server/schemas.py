@@ -127,3 +127,24 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     tokens: Annotated[list[int], Field(max_length=1 << 20)]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the API returns."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [(400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Not found"),
+                       (409, "Session busy"), (413, "Body too large"), (429, "Server full"),
+                       (500, "A model step failed"), (503, "Shutting down")]
+}

@@ -1,0 +1,105 @@
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from models import load_model
+from server.config import EngineConfig
+
+from ..live_server import LiveServer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_checkpoints):
+    return load_model(str(tiny_checkpoints["llama"]))
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model):
+    with LiveServer(tiny_model, EngineConfig(session_capacity=64, max_stop_strings=4), name="tiny") as server:
+        yield server
+
+
+def error_of(r, status):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body["error"]) >= {"message", "type", "param"}
+    return body["error"]
+
+
+CASES = [
+    # (path, raw body or json, expected status, words the message must name)
+    ("/generate", b'{"inputs": "hi", ', 400, "JSON"),
+    ("/generate", {"inputs": 12}, 400, "inputs"),
+    ("/generate", {"parameters": {}}, 400, "inputs"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 10**9}}, 400, "max_new_tokens"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 500}}, 400, "capacity"),
+    ("/generate", {"inputs": "hi", "parameters": {"temperature": -1}}, 400, "temperature"),
+    ("/generate", {"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, 400, "stop"),
+    ("/generate", {"inputs": ""}, 400, "empty"),
+    ("/generate", {"inputs": "word " * 100}, 400, "capacity"),
+    ("/generate", {"inputs": "hi", "session_id": "nope"}, 404, "nope"),
+    ("/v1/completions", {"prompt": [1, 2, 10**8], "max_tokens": 2}, 400, "vocabulary"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 9}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/v1/sessions", {"capacity": -5}, 400, "capacity"),
+    ("/v1/sessions", {"sizing": "huge"}, 400, "sizing"),
+    ("/generate", b'{"inputs": "\xff\xfe bad utf-8"}', 400, ""),
+]
+
+
+@pytest.mark.parametrize("path,body,status,word", CASES)
+def test_bad_requests_get_clear_errors(tiny_server, path, body, status, word):
+    url = tiny_server.url
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    err = error_of(httpx.post(url + path, **kw), status)
+    assert word.lower() in err["message"].lower() + str(err["param"]).lower()
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_body_limit_busy_session_and_unknown_session(tiny_server):
+    url = tiny_server.url
+    error_of(httpx.post(url + "/generate", json={"inputs": "x" * (5 * 2**20)}), 413)
+    error_of(httpx.get(url + "/v1/sessions/unknown"), 404)
+    error_of(httpx.delete(url + "/v1/sessions/unknown"), 404)
+    sid = httpx.post(url + "/v1/sessions", json={}).json()["id"]
+    with httpx.stream("POST", url + "/generate_stream", json={"inputs": "go", "session_id": sid, "parameters": {"max_new_tokens": 50}}) as r:
+        next(r.iter_lines())
+        error_of(httpx.delete(f"{url}/v1/sessions/{sid}"), 409)
+        error_of(httpx.post(url + "/generate", json={"inputs": "x", "session_id": sid}), 409)
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_schemathesis_finds_no_server_errors(tiny_server, tmp_path):
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", tiny_server.url + "/openapi.json",
+           "--checks", "not_a_server_error,response_schema_conformance", "--max-examples", "20",
+           "--seed", "1", "--workers", "1", "--request-timeout", "60", "--max-time", "240",
+           "--phases", "examples,coverage,fuzzing"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert httpx.get(tiny_server.url + "/health").status_code == 200
+
+
+def test_api_keys_and_session_ownership(tiny_model):
+    with LiveServer(tiny_model, api_keys=("key-a", "key-b"), name="tiny") as server:
+        url = server.url
+        assert httpx.get(url + "/health").status_code == 200  # public
+        error_of(httpx.post(url + "/v1/sessions", json={}), 401)
+        error_of(httpx.post(url + "/v1/sessions", json={}, headers={"Authorization": "Bearer wrong"}), 401)
+        error_of(httpx.get(url + "/v1/models"), 401)
+        a = {"Authorization": "Bearer key-a"}
+        b = {"Authorization": "Bearer key-b"}
+        sid = httpx.post(url + "/v1/sessions", json={}, headers=a).json()["id"]
+        assert len(sid) >= 22
+        assert httpx.get(f"{url}/v1/sessions/{sid}", headers=a).status_code == 200
+        error_of(httpx.get(f"{url}/v1/sessions/{sid}", headers=b), 404)
+        error_of(httpx.post(url + "/generate", json={"inputs": "x", "session_id": sid}, headers=b), 404)
+        error_of(httpx.delete(f"{url}/v1/sessions/{sid}", headers=b), 404)
+        assert httpx.post(url + "/generate", json={"inputs": "x", "session_id": sid, "parameters": {"max_new_tokens": 2}},
+                          headers=a).status_code == 200

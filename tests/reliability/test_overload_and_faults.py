@@ -1,0 +1,236 @@
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from kvcache import REGISTRY
+from server.config import EngineConfig
+
+from ..live_server import LiveServer, free_port, metric, start_cli_server, wait_healthy
+
+
+def gen_body(prompt, n, **params):
+    return {"inputs": prompt, "parameters": {"max_new_tokens": n, "details": True, **params}}
+
+
+def tokens_of(r):
+    assert r.status_code == 200, r.text
+    return [t["id"] for t in r.json()["details"]["tokens"]]
+
+
+class HealthWatch:
+    """Polls /health in a thread and records the slowest answer."""
+
+    def __init__(self, url):
+        self.url, self.worst, self.failures, self._stop = url, 0.0, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=5) as c:
+            while not self._stop.is_set():
+                t = time.perf_counter()
+                try:
+                    if c.get(self.url + "/health").status_code != 200:
+                        self.failures.append("status")
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+                self.worst = max(self.worst, time.perf_counter() - t)
+                time.sleep(0.05)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+
+
+def test_overload_gets_429_never_5xx_and_health_stays_fast(smollm):
+    config = EngineConfig(max_running=8, max_queued=16)
+    with LiveServer(smollm, config) as server, HealthWatch(server.url) as health:
+        async def one(ac, i):
+            r = await ac.post(server.url + "/generate", json=gen_body(f"Request number {i} says", 4))
+            return r.status_code, r.headers.get("retry-after")
+
+        async def run():
+            limits = httpx.Limits(max_connections=250)
+            async with httpx.AsyncClient(timeout=120, limits=limits) as ac:
+                return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(200))), 300)
+
+        results = asyncio.run(run())
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 429}, sorted(set(codes))
+    assert codes.count(200) >= 24 and codes.count(429) > 0
+    assert all(ra is not None for c, ra in results if c == 429)
+    assert not health.failures and health.worst < 1.0, (health.worst, health.failures[:3])
+
+
+def test_disconnect_storm_frees_everything(smollm):
+    config = EngineConfig(max_running=32, max_queued=400)
+    with LiveServer(smollm, config) as server:
+        keep = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
+        httpx.post(server.url + "/generate", json={**gen_body("Keep me", 2), "session_id": keep})
+        baseline = metric(server.url, "kvserve:kv_cache_usage_bytes")
+        rng = random.Random(7)
+
+        async def aborted(ac, i):
+            stop_after = rng.randint(0, 4)
+            try:
+                async with ac.stream("POST", server.url + "/generate_stream", json=gen_body(f"Story {i}:", 50)) as r:
+                    seen = 0
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:"):
+                            seen += 1
+                            if seen >= stop_after:
+                                break
+            except httpx.HTTPError:
+                pass
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=400)) as ac:
+                await asyncio.gather(*(aborted(ac, i) for i in range(300)))
+
+        asyncio.run(run())
+        engine = server.engine
+        deadline = time.time() + 30
+        while time.time() < deadline and (engine.scheduler.has_work() or any(not s.persistent for s in engine.sessions)):
+            time.sleep(0.1)
+        assert not engine.scheduler.has_work()
+        assert set(REGISTRY.keys()) & {s.id for s in engine.sessions} == {keep}
+        assert [s.id for s in engine.sessions] == [keep]
+        time.sleep(0.2)
+        assert metric(server.url, "kvserve:kv_cache_usage_bytes") == baseline
+        assert metric(server.url, "kvserve:num_requests_running") == 0
+
+
+def test_capacity_ends_with_length_while_others_stream(smollm):
+    with LiveServer(smollm) as server:
+        url = server.url
+        small = httpx.post(url + "/v1/sessions", json={"capacity": 40, "sizing": "static"}).json()["id"]
+        solo = tokens_of(httpx.post(url + "/generate", json=gen_body("The history of Rome", 30), timeout=120))
+
+        async def run():
+            async with httpx.AsyncClient(timeout=120) as ac:
+                # max_new_tokens is left to the session: generation stops at its capacity
+                capped = ac.post(url + "/generate", json={"inputs": "Tell me about the ocean and its", "session_id": small,
+                                                          "parameters": {"details": True}})
+                other = ac.post(url + "/generate", json=gen_body("The history of Rome", 30))
+                return await asyncio.gather(capped, other)
+
+        capped, other = asyncio.run(run())
+        assert capped.status_code == 200
+        assert capped.json()["details"]["finish_reason"] == "length"
+        assert httpx.get(f"{url}/v1/sessions/{small}").json()["length"] == 40
+        assert tokens_of(other) == solo
+        # a full session can take no more
+        r = httpx.post(url + "/generate", json={**gen_body("more", 1), "session_id": small})
+        assert r.status_code == 400 and "capacity of 40" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello " * 30, "max_tokens": 5000})
+        assert r.status_code == 400
+        msg = r.json()["error"]["message"]
+        assert "31 tokens" in msg and "5000" in msg and "2048" in msg
+        r = httpx.post(url + "/v1/sessions", json={"capacity": 10**6})
+        assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
+
+
+def test_eviction_keeps_outputs_identical(smollm):
+    capacity = 128
+    per_token = 30 * 3 * 64 * 2 * 4
+    tight = EngineConfig(kv_budget=2 * capacity * per_token, session_capacity=capacity, session_sizing="static")
+
+    def conversation(server):
+        url = server.url
+        sids = [httpx.post(url + "/v1/sessions", json={}).json()["id"] for _ in range(6)]
+        outs = {i: [] for i in range(6)}
+        for turn in range(3):
+            for i, sid in enumerate(sids):
+                r = httpx.post(url + "/generate", json={**gen_body(f" Turn {turn} of session {i}:", 5), "session_id": sid}, timeout=120)
+                outs[i].append(tokens_of(r))
+        return outs, server.engine.metrics
+
+    with LiveServer(smollm, tight) as server:
+        constrained, m = conversation(server)
+        evictions = metric(server.url, "kvserve:num_session_evictions_total")
+        assert metric(server.url, "kvserve:kv_cache_usage_bytes") <= tight.kv_budget
+    with LiveServer(smollm, EngineConfig(session_capacity=capacity, session_sizing="static")) as server:
+        free, _ = conversation(server)
+    assert evictions >= 12
+    assert constrained == free
+
+
+def test_failed_step_fails_only_its_requests(smollm):
+    with LiveServer(smollm, fault_injection=True) as server:
+        url = server.url
+
+        def session_with(prompt):
+            sid = httpx.post(url + "/v1/sessions", json={}).json()["id"]
+            tokens_of(httpx.post(url + "/generate", json={**gen_body(prompt, 4), "session_id": sid}, timeout=120))
+            return sid
+
+        a, b = session_with("Alpha says"), session_with("Beta says")
+        a_ref, b_ref = session_with("Alpha says"), session_with("Beta says")
+        length = httpx.get(f"{url}/v1/sessions/{a}").json()["length"]
+        r = httpx.post(url + "/generate", json={**gen_body(" and then", 6), "session_id": a, "debug_fail_step": True})
+        assert r.status_code == 500 and "fault" in r.json()["error"]["message"]
+        assert httpx.get(f"{url}/v1/sessions/{a}").json()["length"] == length
+        for sid, ref in ((a, a_ref), (b, b_ref)):
+            got = tokens_of(httpx.post(url + "/generate", json={**gen_body(" and then", 6), "session_id": sid}, timeout=120))
+            want = tokens_of(httpx.post(url + "/generate", json={**gen_body(" and then", 6), "session_id": ref}, timeout=120))
+            assert got == want
+        assert httpx.get(url + "/health").status_code == 200
+        plain = httpx.post(url + "/generate", json={**gen_body("x", 2), "debug_fail_step": True})
+        assert plain.status_code == 500
+    with LiveServer(smollm) as server:  # without --fault-injection the hook is refused
+        r = httpx.post(server.url + "/generate", json={**gen_body("x", 2), "debug_fail_step": True})
+        assert r.status_code == 400
+
+
+def test_sigterm_drains_streams_then_exits_zero(smollm):
+    port = free_port()
+    proc = start_cli_server(["--shutdown-timeout", "60"], port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, timeout=300, proc=proc)
+        results = {}
+
+        def stream(i):
+            text, final = "", None
+            with httpx.stream("POST", url + "/generate_stream", json=gen_body(f"Story {i}:", 40), timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        import json
+
+                        final = json.loads(line[5:])
+                        text += final["token"]["text"]
+                        if i == 0 and "sent" not in results:
+                            results["sent"] = True
+                            proc.send_signal(signal.SIGTERM)
+            results[i] = final
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while "sent" not in results and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        try:
+            refused = httpx.post(url + "/generate", json=gen_body("new", 2), timeout=10).status_code
+        except httpx.ConnectError:
+            refused = "refused"
+        assert refused in (503, "refused")
+        for t in threads:
+            t.join(timeout=120)
+        for i in range(4):
+            assert results[i]["details"]["finish_reason"] == "length"
+            assert results[i]["details"]["generated_tokens"] == 40
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -33,9 +33,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
 
 
-def _engine_config(args, model_context: int) -> EngineConfig:
+def _engine_config(args) -> EngineConfig:
     return EngineConfig(
-        session_capacity=min(args.session_capacity, model_context),
+        session_capacity=args.session_capacity,
         session_sizing=Sizing(args.session_sizing),
         kv_budget=args.kv_budget,
         max_batch_tokens=args.max_batch_tokens,
@@ -77,7 +77,7 @@ def cmd_generate(args) -> int:
                             seed=args.seed, stop=tuple(args.stop))
 
     async def run() -> int:
-        engine = Engine(model, _engine_config(args, model.config.max_context))
+        engine = Engine(model, _engine_config(args))
         engine.start()
         session = engine.create_session(None, None, None, persistent=False)
         req = engine.submit(session, prompt, params, resend=False)
@@ -105,7 +105,7 @@ def cmd_serve(args) -> int:
     start = time.time()
     model = load_model(args.model, args.dtype, progress=True)
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
-    engine = Engine(model, _engine_config(args, model.config.max_context))
+    engine = Engine(model, _engine_config(args))
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     app = create_app(engine, server_config, frozenset(args.api_key or ()), args.fault_injection)
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,

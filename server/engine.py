@@ -49,6 +49,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)
         self.metrics = Metrics(model.name)
+        self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
         self.steps = 0
         self._wake = asyncio.Event()
@@ -82,7 +83,7 @@ class Engine:
     def create_session(self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True) -> Session:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
-        capacity = self.config.session_capacity if capacity is None else capacity
+        capacity = self.default_capacity if capacity is None else capacity
         if capacity > self.model.config.max_context:
             raise InvalidRequest(
                 f"capacity {capacity} exceeds the model's context of {self.model.config.max_context} tokens", param="capacity"
@@ -155,7 +156,8 @@ class Engine:
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
         reused = min(keep, session.cached_length)
         req = Request(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
-                      cached_tokens=reused if resend else 0, inject_fault=inject_fault)
+                      cached_tokens=reused if resend else 0, inject_fault=inject_fault,
+                      history_before=list(session.tokens), kept=keep)
         session.truncate(keep)
         session.tokens.extend(new)
         if not session.pending and params.max_tokens > 0 and session.cache is not None:

@@ -79,7 +79,7 @@ def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SampleRow]) -> torch.
     """Mask (to -inf) what top-k, top-p and min-p remove, on logits sorted descending per row."""
     vocab = sorted_logits.shape[1]
     ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
-    top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows]).unsqueeze(1)
+    top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]).unsqueeze(1)
     top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
     min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
     probs = sorted_logits.softmax(-1)

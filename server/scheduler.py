@@ -147,14 +147,13 @@ class Scheduler:
                 self.retire(req)
 
     def fail_step(self, batch: StepBatch, error: Exception) -> None:
-        """A step raised: roll its sessions back to their pre-step length and fail its requests."""
+        """A step raised: fail its requests and give their sessions back the history they had before."""
         for chunk in batch.chunks:
             req = self.by_id.get(chunk.request_id)
             if req is None:
                 continue
-            cache = req.session.cache
-            if cache is not None and cache.length > chunk.start:
-                cache.rewind(cache.length - chunk.start)
+            # the failed request leaves the session as it found it: its history, and KV for a prefix of it
+            req.session.restore(req.history_before, min(chunk.start, req.kept))
             req.finish("error", StepFailed(f"the model step failed: {type(error).__name__}: {error}"))
             self.retire(req)
 

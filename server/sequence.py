@@ -49,6 +49,8 @@ class Request:
     cached_tokens: int  # of which were reused from the session's resident KV
     id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
     inject_fault: bool = False
+    history_before: list[int] = field(default_factory=list)  # the session's history before this request
+    kept: int = 0  # how much of history_before the request kept
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -36,8 +36,17 @@ class Session:
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens of the history (and of the cache)."""
         del self.tokens[length:]
+        self.truncate_cache(length)
+
+    def truncate_cache(self, length: int) -> None:
+        """Keep at most `length` tokens of KV; the history beyond them is prefilled again when needed."""
         if self.cache is not None and self.cache.length > length:
             self.cache.rewind(self.cache.length - length)
+
+    def restore(self, tokens: list[int], valid: int) -> None:
+        """Put back an earlier history of which only the first `valid` tokens can match the cache."""
+        self.tokens[:] = tokens
+        self.truncate_cache(valid)
 
     def info(self) -> dict:
         return {

@@ -118,14 +118,14 @@ def test_capacity_ends_with_length_while_others_stream(smollm):
         async def run():
             async with httpx.AsyncClient(timeout=120) as ac:
                 # max_new_tokens is left to the session: generation stops at its capacity
-                capped = ac.post(url + "/generate", json={"inputs": "Tell me about the ocean and its", "session_id": small,
-                                                          "parameters": {"details": True}})
+                capped = ac.post(url + "/v1/completions", json={"prompt": "Tell me about the ocean and its", "ignore_eos": True},
+                                 headers={"X-Session-Id": small})
                 other = ac.post(url + "/generate", json=gen_body("The history of Rome", 30))
                 return await asyncio.gather(capped, other)
 
         capped, other = asyncio.run(run())
         assert capped.status_code == 200
-        assert capped.json()["details"]["finish_reason"] == "length"
+        assert capped.json()["choices"][0]["finish_reason"] == "length"
         assert httpx.get(f"{url}/v1/sessions/{small}").json()["length"] == 40
         assert tokens_of(other) == solo
         # a full session can take no more

@@ -147,5 +147,5 @@ def test_eos_finishes_and_failed_step_rolls_back(tokenizer):
         s.cache.reserve(len(c.tokens))
         s.cache.commit(len(c.tokens))
     sched.fail_step(batch, RuntimeError("boom"))
-    assert s.cache.length == 3 and req.finished.reason == "error"
-    assert s.busy is None and s.pending == [7]
+    assert s.tokens == [] and s.cache.length == 0 and req.finished.reason == "error"
+    assert s.busy is None

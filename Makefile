@@ -4,10 +4,15 @@ BIN := $(VENV)/bin
 MODEL ?= smollm2-135m-instruct
 HOST ?= 127.0.0.1
 PORT ?= 8000
-STAMP_TEST := $(VENV)/.installed-test
+USERS ?= 16
+SPAWN_RATE ?= 4
+DURATION ?= 60s
+RESULTS ?= results
 STAMP_RUN := $(VENV)/.installed
+STAMP_TEST := $(VENV)/.installed-test
+STAMP_BENCH := $(VENV)/.installed-bench
 
-.PHONY: test serve install loadtest bench clean
+.PHONY: test serve install loadtest bench clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,14 +26,32 @@ $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@ $(STAMP_RUN)
 
+$(STAMP_BENCH): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[test,bench]'
+	touch $@ $(STAMP_TEST) $(STAMP_RUN)
+
 install: $(STAMP_RUN)
 
-test: $(STAMP_TEST)
+# nginx (for the load-balancer test) comes from Debian's packages
+system-deps:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null; }
+
+test: $(STAMP_TEST) system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 serve: $(STAMP_RUN)
 	$(BIN)/kvserve fetch --model $(MODEL)
 	$(BIN)/kvserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+# starts a local server, runs locust headless, stops the server; reports land in $(RESULTS)/
+loadtest: $(STAMP_BENCH)
+	$(BIN)/python bench/loadtest.py --model $(MODEL) --users $(USERS) --spawn-rate $(SPAWN_RATE) \
+	  --duration $(DURATION) --results $(RESULTS)
+
+bench: $(STAMP_BENCH)
+	$(BIN)/python bench/model_step.py
+	$(BIN)/python bench/serve_bench.py --launch --concurrency 1,8,32 --plot $(RESULTS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,7 +14,9 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RES
 async def create_session(http: HttpRequest, body: SessionCreate | None = None) -> dict:
     body = body or SessionCreate()
     engine = flow.engine_of(http)
-    session = engine.create_session(body.capacity, body.sizing, flow.owner_of(http))
+    # behind a load balancer that hashes X-Session-Id, the client picks the id it will route on
+    chosen = body.id or http.headers.get("x-session-id")
+    session = engine.create_session(body.capacity, body.sizing, flow.owner_of(http), session_id=chosen)
     return {"object": "session", **session.info()}
 
 

@@ -80,7 +80,9 @@ class Engine:
         self._worker.shutdown(wait=True)
 
     # ---- sessions --------------------------------------------------------------------------
-    def create_session(self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True) -> Session:
+    def create_session(
+        self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True, session_id: str | None = None
+    ) -> Session:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         capacity = self.default_capacity if capacity is None else capacity
@@ -95,7 +97,7 @@ class Engine:
                 f"more than the whole KV budget of {self.pool.budget} bytes",
                 param="capacity",
             )
-        session = self.sessions.create(capacity, sizing, persistent, owner)
+        session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
         self.metrics.sessions.set(len(self.sessions))
         return session
 

@@ -113,6 +113,7 @@ class SessionCreate(_Body):
 
     capacity: Annotated[int, Field(gt=0)] | None = None
     sizing: Literal["static", "dynamic"] | None = None
+    id: Annotated[str, Field(min_length=22, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
 
 
 class SessionRewind(_Body):

@@ -1,6 +1,7 @@
 """Sessions: token histories whose KV stays resident between requests, and their store."""
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -61,6 +62,10 @@ class Session:
         }
 
 
+# at least as long as our own 18-byte ids, so a chosen id is no easier to guess
+_CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{22,128}")
+
+
 class SessionStore:
     """Persistent and temporary sessions by id; ids are unguessable and scoped to their owner's key."""
 
@@ -68,10 +73,16 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self.max_sessions = max_sessions
 
-    def create(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None) -> Session:
+    def create(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None, session_id: str | None = None) -> Session:
+        """A new session; `session_id` lets a client behind a hashing load balancer pick the id it routes on."""
         if persistent and sum(s.persistent for s in self._sessions.values()) >= self.max_sessions:
             raise Overloaded(f"the server holds its maximum of {self.max_sessions} sessions; delete some first")
-        session = Session(secrets.token_urlsafe(18), capacity, sizing, persistent, owner)
+        if session_id is not None:
+            if not _CLIENT_ID.fullmatch(session_id):
+                raise InvalidRequest("a client-chosen session id must be 22 to 128 characters of A-Z a-z 0-9 _ -", param="id")
+            if session_id in self._sessions:
+                raise Conflict(f"session {session_id!r} already exists", param="id")
+        session = Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner)
         self._sessions[session.id] = session
         return session
 

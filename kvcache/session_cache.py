@@ -85,12 +85,12 @@ class SessionCache:
         Returns the layer's whole history including them: [H_kv, length + n, D] and [H_kv, length + n, D_v].
         The length does not move until commit(n), so a step that fails midway leaves the history intact.
         """
-        n = k.shape[1]
-        end = self._length + n
+        end = self._length + k.shape[1]
         assert end <= self.allocated, "reserve() must run before write()"
-        self._k[layer, :, self._length : end].copy_(k)
-        self._v[layer, :, self._length : end].copy_(v)
-        return self._k[layer, :, :end], self._v[layer, :, :end]
+        k_layer, v_layer = self._k[layer], self._v[layer]  # [H_kv, allocated, D] views
+        k_layer[:, self._length : end] = k
+        v_layer[:, self._length : end] = v
+        return k_layer[:, :end], v_layer[:, :end]
 
     def commit(self, n: int) -> None:
         assert self._length + n <= self.allocated

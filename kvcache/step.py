@@ -58,33 +58,28 @@ class ActiveStep:
         elif self._next_layer != layer_id:
             self._next_layer = None
             raise CacheError(f"layers must run in order 0..{self.n_layers - 1}; got layer {layer_id} out of turn")
-        outs = []
-        for (cache, _), n, start in zip(self.spans, self.sizes, _starts(self.sizes)):
-            # k/v arrive as [1, H_kv, S, D]; the cache stores [H_kv, n, D] per layer.
-            k_all, v_all = cache.write(layer_id, k[0, :, start : start + n], v[0, :, start : start + n])
-            outs.append(_attend(q[:, :, start : start + n], k_all, v_all, scale))
+        # one split per tensor rather than three slices per span: a decode step has one span per session
+        qs = q.split(self.sizes, dim=2)  # [1, H_q, n, D] each
+        ks, vs = k[0].split(self.sizes, dim=1), v[0].split(self.sizes, dim=1)  # [H_kv, n, D] each
+        outs = [
+            _attend(qi, *cache.write(layer_id, ki, vi), scale)
+            for (cache, _), qi, ki, vi in zip(self.spans, qs, ks, vs)
+        ]
         self._next_layer = layer_id + 1
         if layer_id == self.n_layers - 1:
             for (cache, _), n in zip(self.spans, self.sizes):
                 cache.commit(n)
             self._next_layer = None
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H_q, S, D_v]
-        return out.to(out_dtype)
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    starts, at = [], 0
-    for n in sizes:
-        starts.append(at)
-        at += n
-    return starts
+        return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:
     """q [1, H_q, n, D] over k_all [H_kv, T, D], v_all [H_kv, T, D_v], the last n of T being q's own tokens."""
     n, total = q.shape[2], k_all.shape[1]
-    k_all = k_all.unsqueeze(0).to(q.dtype)  # [1, H_kv, T, D]
-    v_all = v_all.unsqueeze(0).to(q.dtype)  # [1, H_kv, T, D_v]
+    if k_all.dtype != q.dtype:
+        k_all, v_all = k_all.to(q.dtype), v_all.to(q.dtype)
+    k_all, v_all = k_all.unsqueeze(0), v_all.unsqueeze(0)  # [1, H_kv, T, D], [1, H_kv, T, D_v]
     if n == 1:
         return F.scaled_dot_product_attention(q, k_all, v_all, scale=scale, enable_gqa=True)
     if n == total:
@@ -93,3 +88,11 @@ def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: fl
     q_pos = torch.arange(total - n, total).unsqueeze(1)  # [n, 1]
     mask = torch.arange(total).unsqueeze(0) <= q_pos  # [n, T]
     return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += n
+    return starts

@@ -14,6 +14,7 @@ from torch.export import Dim
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .llama import Transformer
+from .quant import WEIGHT_MODES, half_linears
 from .tokenizer import TextTokenizer
 
 ARTIFACT_FORMAT = 1
@@ -29,10 +30,29 @@ class LoadedModel:
     tokenizer: TextTokenizer
     name: str
     dtype: torch.dtype
+    weights: str = "f32"
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+def fuse_projections(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint names (q/k/v_proj, gate/up_proj) -> the fused qkv_proj and gate_up_proj weights."""
+    state = dict(state)
+    for i in range(config.n_layers):
+        attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
+        for kind in ("weight", "bias"):
+            parts = [state.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
+            if all(p is not None for p in parts):
+                state[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts)  # [(H_q + 2 H_kv) * D, ...]
+        gate, up = state.pop(f"{mlp}.gate_proj.weight", None), state.pop(f"{mlp}.up_proj.weight", None)
+        if gate is not None and up is not None:
+            state[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up])  # [2 * ffn, dim]
+    return state
+
+
+def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, weights: str = "f32") -> Transformer:
     """Construct on the meta device, then assign the loaded weights (no double allocation)."""
+    if weights not in WEIGHT_MODES:
+        raise ModelLoadError(f"unsupported weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    state = fuse_projections(state, config)
     with torch.device("meta"):
         model = Transformer(config)
     if config.tie_embeddings:
@@ -48,6 +68,8 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
     if config.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_constants()
+    if weights == "f16":
+        half_linears(model)
     return model.eval()
 
 
@@ -60,7 +82,9 @@ def export_program(model: Transformer) -> torch.export.ExportedProgram:
         return torch.export.export(model, example, dynamic_shapes=({1: n}, {0: n}, {0: m}), strict=False)
 
 
-def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str) -> None:
+def save_artifact(
+    folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str, weights: str = "f32"
+) -> None:
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
@@ -68,7 +92,7 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
     torch.export.save(program, str(tmp / PROGRAM_FILE))
     (tmp / "config.json").write_text(config.to_json())
     tokenizer.save(tmp)
-    meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name}
+    meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():
         shutil.rmtree(folder)
@@ -84,6 +108,8 @@ def load_artifact(folder: Path) -> LoadedModel:
     meta = json.loads((folder / "kvserve.json").read_text())
     if meta.get("format") != ARTIFACT_FORMAT:
         raise ModelLoadError(f"{folder}: artifact format {meta.get('format')} is not {ARTIFACT_FORMAT}; export again")
+    from . import quant  # noqa: F401  (registers kvserve::linear_f16 before the program is read)
+
     program = torch.export.load(str(folder / PROGRAM_FILE))
     config = ModelConfig.from_json((folder / "config.json").read_text())
     return LoadedModel(
@@ -92,4 +118,5 @@ def load_artifact(folder: Path) -> LoadedModel:
         tokenizer=TextTokenizer.load(folder),
         name=meta["name"],
         dtype=getattr(torch, meta["dtype"]),
+        weights=meta.get("weights", "f32"),
     )

@@ -61,16 +61,17 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.layer_id, self.n_heads, self.n_kv_heads, self.head_dim = layer_id, c.n_heads, c.n_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        # q, k and v projections fused into one matmul: one weight read and one op instead of three
+        self.qkv_proj = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
     def forward(self, x, positions, cos, sin):
-        n = x.shape[1]
-        q = self.q_proj(x).view(1, n, self.n_heads, self.head_dim).transpose(1, 2)  # [1, H_q, n, D]
-        k = self.k_proj(x).view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, n, D]
-        v = self.v_proj(x).view(1, n, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [1, H_kv, n, D]
+        n, d = x.shape[1], self.head_dim
+        qkv = self.qkv_proj(x)  # [1, n, (H_q + 2 H_kv) * D]
+        q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
+        q = q.view(1, n, self.n_heads, d).transpose(1, 2)  # [1, H_q, n, D]
+        k = k.view(1, n, self.n_kv_heads, d).transpose(1, 2)  # [1, H_kv, n, D]
+        v = v.view(1, n, self.n_kv_heads, d).transpose(1, 2)  # [1, H_kv, n, D]
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.head_dim**-0.5, x.dtype)
         out = out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim)  # [1, n, H_q * D]
@@ -82,12 +83,12 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)  # gate and up, fused
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [1, n, ffn] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

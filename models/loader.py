@@ -37,33 +37,33 @@ def read_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
     return read_hf(path, dtype, progress)
 
 
-def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
+def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False, weights: str = "f32"):
     """-> (exported program, config, tokenizer) for a .gguf file or HF folder."""
     config, state, tokenizer = read_checkpoint(path, dtype, progress)
     with tqdm(total=2, desc="exporting", disable=not progress, unit="stage") as bar:
-        model = build_model(config, state, dtype)
+        model = build_model(config, state, dtype, weights)
         bar.update()
         program = export_program(model)
         bar.update()
     return program, config, tokenizer
 
 
-def _source_key(path: Path, dtype: torch.dtype) -> str:
+def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
     """Changes whenever the checkpoint, the dtype or the model code changes."""
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")) if path.is_dir() else [path]:
         if p.is_file():
             st = p.stat()
             h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    h.update(str(dtype).encode())
+    h.update(f"{dtype}|{weights}".encode())
     code = Path(__file__).parent
-    for name in ("llama.py", "export.py", "config.py", "gguf_loader.py", "hf_loader.py", "tokenizer.py"):
+    for name in ("llama.py", "export.py", "config.py", "gguf_loader.py", "hf_loader.py", "tokenizer.py", "quant.py"):
         h.update((code / name).read_bytes())
     h.update(str(export_mod.ARTIFACT_FORMAT).encode())
     return h.hexdigest()[:24]
 
 
-def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True) -> LoadedModel:
+def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32") -> LoadedModel:
     """Load an artifact as is; export a checkpoint once and keep the artifact in the cache folder."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -71,13 +71,13 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     if path.is_dir() and is_artifact(path):
         return load_artifact(path)
     torch_dtype = DTYPES[dtype]
-    cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype)
+    cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights)
     if use_cache and is_artifact(cached):
         return load_artifact(cached)
     start = time.time()
-    program, config, tokenizer = export_checkpoint(path, torch_dtype, progress)
+    program, config, tokenizer = export_checkpoint(path, torch_dtype, progress, weights)
     if use_cache:
-        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec)
+        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights)
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
-    return LoadedModel(config=config, forward=program.module(), tokenizer=tokenizer, name=spec, dtype=torch_dtype)
+    return LoadedModel(config=config, forward=program.module(), tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights)

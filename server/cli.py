@@ -17,10 +17,12 @@ log = logging.getLogger("kvserve")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from models.catalog import DEFAULT_MODEL
+    from models.catalog import DEFAULT_MODEL, DEFAULT_WEIGHTS
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file, HF folder or exported artifact folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weight and activation dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
+    p.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=["f32", "f16"],
+                   help="f32: exact; f16: half-size weights with fbgemm fp16 matmuls (faster, near-exact)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,8 +58,8 @@ def cmd_export(args) -> int:
     from models.loader import DTYPES, export_checkpoint, resolve
 
     start = time.time()
-    program, config, tokenizer = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True)
-    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model)
+    program, config, tokenizer = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=args.weights)
+    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=args.weights)
     print(f"exported {args.model} to {args.out} in {time.time() - start:.1f}s", file=sys.stderr)
     return 0
 
@@ -69,7 +71,7 @@ def cmd_generate(args) -> int:
     from .sampling import SamplingParams
     from .sequence import Finished
 
-    model = load_model(args.model, args.dtype, progress=True)
+    model = load_model(args.model, args.dtype, progress=True, weights=args.weights)
     tok = model.tokenizer
     chat = not args.raw and tok.meta.chat_template is not None
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special=False) if chat else tok.encode(args.prompt)
@@ -103,7 +105,7 @@ def cmd_serve(args) -> int:
     from .engine import Engine
 
     start = time.time()
-    model = load_model(args.model, args.dtype, progress=True)
+    model = load_model(args.model, args.dtype, progress=True, weights=args.weights)
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args))
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)

@@ -193,7 +193,7 @@ def test_failed_step_fails_only_its_requests(smollm):
 
 def test_sigterm_drains_streams_then_exits_zero(smollm):
     port = free_port()
-    proc = start_cli_server(["--shutdown-timeout", "60"], port)
+    proc = start_cli_server(["--shutdown-timeout", "60", "--weights", "f32"], port)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout=300, proc=proc)

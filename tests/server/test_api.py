@@ -48,7 +48,7 @@ def test_openai_chat_and_stream_match_cli_generate(smollm_server):
     assert chunks[-1].usage.completion_tokens == resp.usage.completion_tokens
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == resp.choices[0].finish_reason
 
-    cli = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", MODEL, "--max-tokens", "24", QUESTION],
+    cli = subprocess.run([sys.executable, "-m", "server.cli", "generate", "--model", MODEL, "--weights", "f32", "--max-tokens", "24", QUESTION],
                          capture_output=True, text=True, timeout=600)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.strip() == text.strip()

@@ -1,0 +1,72 @@
+"""Each faster weights mode against the exact f32 path, on the real SmolLM2 model."""
+import math
+
+import pytest
+import torch
+
+from kvcache import REGISTRY, CacheConfig, SessionCache
+from models import DEFAULT_MODEL, load_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three laws of thermodynamics state that",
+    "My favourite recipe for pancakes is",
+    "In 1969, the first humans",
+    "Photosynthesis is the process by which",
+    "The best way to learn a new language is",
+]
+TEXT = (
+    "The Industrial Revolution began in Great Britain in the late eighteenth century. New machines, "
+    "powered first by water and then by steam, changed how goods were made. Factories grew in towns, "
+    "and many people moved from the countryside to work in them. Railways and canals carried coal, "
+    "iron and cotton across the country, and trade with other nations increased quickly."
+)
+
+
+def greedy_batch(model, prompts, n_tokens):
+    """Greedy continuations of all prompts, decoded together in one step per token."""
+    c, tok = model.config, model.tokenizer
+    keys = [f"fidelity-{model.weights}-{i}" for i in range(len(prompts))]
+    ids = [tok.encode(p) for p in prompts]
+    last = []
+    with torch.inference_mode():
+        for key, p in zip(keys, ids):
+            REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, 256)))
+            REGISTRY.set_active(key)
+            last.append(int(model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]))[0].argmax()))
+        outs = [[t] for t in last]
+        REGISTRY.set_active([(k, 1) for k in keys])
+        for step in range(n_tokens - 1):
+            pos = torch.tensor([[len(p) + step] for p in ids])
+            logits = model.forward(torch.tensor([[o[-1] for o in outs]]), pos, torch.arange(len(keys)))
+            for o, t in zip(outs, logits.argmax(-1).tolist()):
+                o.append(t)
+    for k in keys:
+        REGISTRY.uninstall(k)
+    return outs
+
+
+def perplexity(model, text):
+    c = model.config
+    ids = model.tokenizer.encode(text)
+    key = f"ppl-{model.weights}"
+    REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, len(ids))))
+    REGISTRY.set_active(key)
+    with torch.inference_mode():
+        logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1))
+    REGISTRY.uninstall(key)
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+@pytest.mark.parametrize("weights", ["f16"])
+def test_weights_mode_fidelity(smollm, weights):
+    fast = load_model(DEFAULT_MODEL, weights=weights)
+    assert fast.weights == weights
+    exact, approx = greedy_batch(smollm, PROMPTS, 64), greedy_batch(fast, PROMPTS, 64)
+    agree = sum(a == b for x, y in zip(exact, approx) for a, b in zip(x, y)) / (64 * len(PROMPTS))
+    assert agree >= 0.9, f"{weights} agrees with f32 on {agree:.1%} of greedy tokens"
+    p_exact, p_fast = perplexity(smollm, TEXT), perplexity(fast, TEXT)
+    assert abs(p_fast - p_exact) / p_exact <= 0.05, (p_exact, p_fast)

@@ -66,7 +66,27 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
     results["prefill"] = {"tokens": args.prefill, "median_ms": round(med * 1e3, 1), "tokens_per_s": round(args.prefill / med, 1)}
+    results["batch64_fraction_of_sgemm_ceiling"] = _ceiling_fraction(c, results)
     print(json.dumps(results, indent=2))
+
+
+def _ceiling_fraction(c, results) -> dict:
+    """Useful FLOPs of a batch-64 decode step over what this machine's best fp32 GEMM does in that time."""
+    if "64" not in results["decode"]:
+        return {}
+    n = 4096
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(3):
+        a @ b
+    peak = 3 * 2 * n**3 / (time.perf_counter() - t)
+    # per token: 2 FLOPs per weight of every matmul (attention over a short history is negligible)
+    per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim
+    flops_per_token = 2 * (c.n_layers * per_layer + c.dim * c.vocab_size)
+    achieved = flops_per_token * results["decode"]["64"]["tokens_per_s"]
+    return {"sgemm_peak_gflops": round(peak / 1e9, 1), "step_gflops": round(achieved / 1e9, 1),
+            "fraction": round(achieved / peak, 3), "mflop_per_token": round(flops_per_token / 1e6, 1)}
 
 
 if __name__ == "__main__":

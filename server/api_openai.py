@@ -81,6 +81,18 @@ def _completion_logprobs(tok, events: list[TokenEvent], offset: int = 0) -> dict
     }
 
 
+def _response(http: HttpRequest, kind: str, finished: Finished, **choice) -> dict:
+    """A whole (non-streamed) completion or chat completion."""
+    return {
+        "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": http.app.state.config.model_name,
+        "choices": [{"index": 0, **choice, "finish_reason": OPENAI_REASONS[finished.reason]}],
+        "usage": _usage(finished),
+    }
+
+
 class _Stream:
     """Turns engine events into OpenAI SSE chunks."""
 
@@ -131,19 +143,8 @@ async def completions(body: CompletionRequest, http: HttpRequest):
         return StreamingResponse(_Stream(http, req, body, "completion", choice, body.logprobs is not None).__aiter__(),
                                  media_type="text/event-stream", headers=flow.SSE_HEADERS)
     events, finished = await flow.collect(http, req)
-    return {
-        "id": "cmpl-" + secrets.token_hex(12),
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": http.app.state.config.model_name,
-        "choices": [{
-            "index": 0,
-            "text": echo + req.text,
-            "logprobs": _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None,
-            "finish_reason": OPENAI_REASONS[finished.reason],
-        }],
-        "usage": _usage(finished),
-    }
+    logprobs = _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None
+    return _response(http, "completion", finished, text=echo + req.text, logprobs=logprobs)
 
 
 @router.post("/v1/chat/completions")
@@ -165,19 +166,8 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
         return StreamingResponse(_Stream(http, req, body, "chat", choice, body.logprobs).__aiter__(),
                                  media_type="text/event-stream", headers=flow.SSE_HEADERS)
     events, finished = await flow.collect(http, req)
-    return {
-        "id": "chatcmpl-" + secrets.token_hex(12),
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": http.app.state.config.model_name,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": req.text},
-            "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
-            "finish_reason": OPENAI_REASONS[finished.reason],
-        }],
-        "usage": _usage(finished),
-    }
+    logprobs = _chat_logprobs(tok, events) if body.logprobs else None
+    return _response(http, "chat", finished, message={"role": "assistant", "content": req.text}, logprobs=logprobs)
 
 
 @router.get("/v1/models")

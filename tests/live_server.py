@@ -1,11 +1,9 @@
 """A real uvicorn server on 127.0.0.1 and a free port, running in a background thread."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import uvicorn
@@ -13,26 +11,9 @@ import uvicorn
 from server.app import create_app
 from server.config import EngineConfig, ServerConfig
 from server.engine import Engine
+from server.local import free_port, wait_healthy
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} did not become healthy")
+__all__ = ["LiveServer", "free_port", "metric", "metrics", "start_cli_server", "wait_healthy"]
 
 
 class LiveServer:

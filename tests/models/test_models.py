@@ -147,7 +147,7 @@ def test_incremental_detokenizer_never_breaks_characters(smollm, text):
 def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):
     out = tmp_path / "artifact"
     folder = tiny_checkpoints["llama"]
-    done = subprocess.run([sys.executable, "-m", "server.cli", "export", "--model", str(folder), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "server.cli", "export", "--model", str(folder), "--weights", "f32", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert {"model.pt2", "config.json", "tokenizer.json", "tokenizer_meta.json", "kvserve.json"} <= {p.name for p in out.iterdir()}

@@ -1,0 +1,74 @@
+"""Start-up time (fetched model to listening) and resident memory at idle of `kvserve serve`. Prints JSON.
+
+    python bench/startup.py [--model smollm2-135m-instruct] [--weights f16]
+
+The first start after a code change also exports the model; the figure that matters is a start
+from the cached artifact, so the script starts the server twice and reports both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+
+from server.local import free_port
+
+
+def rss_mb(pid: int) -> float:
+    total = 0
+    for p in [pid, *_children(pid)]:
+        try:
+            for line in open(f"/proc/{p}/status"):
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except FileNotFoundError:
+            pass
+    return round(total / 1024, 1)
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def start_once(model: str, weights: str) -> dict:
+    port = free_port()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--model", model, "--weights", weights,
+                             "--port", str(port), "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+            if proc.poll() is not None:
+                raise RuntimeError("server exited")
+        ready = time.perf_counter() - t0
+        time.sleep(2)
+        return {"startup_s": round(ready, 2), "idle_rss_mb": rss_mb(proc.pid)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--weights", default="f16")
+    args = ap.parse_args()
+    first = start_once(args.model, args.weights)
+    cached = start_once(args.model, args.weights)
+    print(json.dumps({"model": args.model, "weights": args.weights, "first_start": first, "cached_start": cached,
+                      "targets": {"startup_s": 15, "idle_rss_mb": 1536}}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

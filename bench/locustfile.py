@@ -44,17 +44,19 @@ class _Streaming(HttpUser):
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     break
+                event = json.loads(payload)
+                if "error" in event:
+                    r.failure(event["error"])
+                    return text
+                piece = _text_of(event)
+                if not piece:  # e.g. the opening role chunk of a chat stream: no token yet
+                    continue
                 now = time.perf_counter()
                 if last is None:
                     self._record("TTFT", name, (now - start) * 1000)
                 else:
                     self._record("ITL", name, (now - last) * 1000)
-                last = now
-                event = json.loads(payload)
-                if "error" in event:
-                    r.failure(event["error"])
-                    return text
-                text += _text_of(event)
+                last, text = now, text + piece
             r.success()
         return text
 

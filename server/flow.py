@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request as HttpRequest
@@ -11,6 +12,9 @@ from .engine import Engine
 from .errors import ApiError, InvalidRequest, NotFound
 from .sampling import SamplingParams
 from .sequence import Finished, Request, TokenEvent
+
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there
 
 
 def engine_of(http: HttpRequest) -> Engine:
@@ -62,13 +66,17 @@ async def events(http: HttpRequest, req: Request, watch_disconnect: bool) -> Asy
     """Yield the request's events until it finishes; a client that goes away cancels it."""
     engine = engine_of(http)
     getter: asyncio.Task | None = None
+    next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
         while True:
             getter = getter or asyncio.ensure_future(req.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=0.25 if watch_disconnect else None)
-            if not done:
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S if watch_disconnect else None)
+            # events may arrive faster than the poll interval, so look at the clock, not at timeouts
+            if watch_disconnect and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await http.is_disconnected():
                     return
+            if not done:
                 continue
             event, getter = getter.result(), None
             yield event

@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -105,3 +106,19 @@ def test_api_keys_and_session_ownership(tiny_model):
         error_of(httpx.delete(f"{url}/v1/sessions/{sid}", headers=b), 404)
         assert httpx.post(url + "/generate", json={"inputs": "x", "session_id": sid, "parameters": {"max_new_tokens": 2}},
                           headers=a).status_code == 200
+
+
+def test_non_streaming_client_that_leaves_is_cancelled(tiny_server):
+    url, engine = tiny_server.url, tiny_server.engine
+    sid = httpx.post(url + "/v1/sessions", json={"capacity": 512}).json()["id"]
+    body = {"prompt": "go", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, headers={"X-Session-Id": sid}, timeout=0.3)
+    session = engine.sessions.get(sid, None)
+    started = session.info()["length"]
+    deadline = time.time() + 3
+    while time.time() < deadline and session.busy is not None:
+        time.sleep(0.05)
+    assert session.busy is None, "the abandoned request kept running"
+    assert session.info()["length"] < started + 400  # stopped long before its 500 tokens
+    assert not engine.scheduler.has_work()

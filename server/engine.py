@@ -145,8 +145,8 @@ class Engine:
             raise InvalidRequest(f"prompt of {len(new)} tokens exceeds the limit of {self.config.max_prompt_tokens}", param="prompt")
         room = session.capacity - total
         if not max_tokens_given:
-            params = _with_max_tokens(params, max(0, min(params.max_tokens, room)))
-        if total + params.max_tokens > session.capacity or (room <= 0 and params.max_tokens > 0):
+            params = _with_max_tokens(params, min(params.max_tokens, max(room, 1)))
+        if total + params.max_tokens > session.capacity:
             raise InvalidRequest(
                 f"prompt of {total} tokens plus max_tokens {params.max_tokens} exceeds the session capacity of "
                 f"{session.capacity} tokens (model context {self.model.config.max_context})",

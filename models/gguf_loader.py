@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .config import ModelConfig, UnsupportedModel, from_gguf_metadata
+from .config import UnsupportedModel, from_gguf_metadata
 from .errors import ModelLoadError
 from .tokenizer import TextTokenizer, TokenizerMeta, byte_level_bpe_from_gguf
 
@@ -127,8 +127,3 @@ def _tokenizer_meta(meta: dict[str, Any]) -> TokenizerMeta:
         chat_template=template,
     )
 
-
-def check_config_matches(config: ModelConfig, state: dict[str, torch.Tensor]) -> None:
-    emb = state.get("embed_tokens.weight")
-    if emb is None or tuple(emb.shape) != (config.vocab_size, config.dim):
-        raise ModelLoadError(f"embedding shape {None if emb is None else tuple(emb.shape)} does not match the config")

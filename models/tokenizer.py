@@ -107,9 +107,6 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.tokenizer.id_to_token(token_id)
-
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if self._template is None:
             # A model without a template gets plain "role: content" lines, as llama.cpp does for raw models.

@@ -51,7 +51,6 @@ class Engine:
         self.metrics = Metrics(model.name)
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
-        self.steps = 0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-model")
@@ -198,7 +197,6 @@ class Engine:
                 self.scheduler.fail_step(batch, e)
                 self._observe_finished()
                 continue
-            self.steps += 1
             self.metrics.step_sessions.observe(len(batch.chunks))
             self.metrics.generation_tokens.inc(len(sampled))
             self.scheduler.postprocess(batch, sampled)

@@ -111,6 +111,3 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def validate_capacity(self, capacity: int, model_context: int) -> None:
-        if capacity > model_context:
-            raise InvalidRequest(f"capacity {capacity} exceeds the model's context of {model_context} tokens", param="capacity")

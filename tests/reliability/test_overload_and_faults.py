@@ -1,12 +1,10 @@
 import asyncio
-import os
 import random
 import signal
 import threading
 import time
 
 import httpx
-import pytest
 
 from kvcache import REGISTRY
 from server.config import EngineConfig

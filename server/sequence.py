@@ -51,6 +51,7 @@ class Request:
     inject_fault: bool = False
     history_before: list[int] = field(default_factory=list)  # the session's history before this request
     kept: int = 0  # how much of history_before the request kept
+    prompt_ids: list[int] = field(default_factory=list)  # the history it starts from (repetition penalty)
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -66,7 +67,6 @@ class Request:
         self.generator = torch.Generator().manual_seed(seed)
         self.detok = IncrementalDetokenizer(self.tokenizer)
         self.stops = StopMatcher(self.params.stop)
-        self.prompt_ids = list(self.session.tokens)  # for the repetition penalty
 
     def sample_row(self) -> SampleRow:
         return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids)

@@ -78,8 +78,6 @@ class Scheduler:
             self.pool.ensure(req.session)
             chunks.append(self._chunk(req, n))
             tokens_left -= n
-        for c in chunks:
-            self.pool.ensure(self.by_id[c.request_id].session)
         return StepBatch(tuple(chunks), inject_fault=any(self.by_id[c.request_id].inject_fault for c in chunks))
 
     def _chunk(self, req: Request, n: int) -> Chunk:

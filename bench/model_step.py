@@ -14,13 +14,14 @@ import torch
 
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
+from models.quant import WEIGHT_MODES
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weights", default="f32", choices=["f32", "f16"])
+    ap.add_argument("--weights", default="f32", choices=list(WEIGHT_MODES))
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")
     ap.add_argument("--prefill", type=int, default=512)

@@ -1,6 +1,6 @@
 """Start-up time (fetched model to listening) and resident memory at idle of `kvserve serve`. Prints JSON.
 
-    python bench/startup.py [--model smollm2-135m-instruct] [--weights f16]
+    python bench/startup.py [--model smollm2-135m-instruct] [--weights auto]
 
 The first start after a code change also exports the model; the figure that matters is a start
 from the cached artifact, so the script starts the server twice and reports both.
@@ -62,7 +62,7 @@ def start_once(model: str, weights: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--weights", default="f16")
+    ap.add_argument("--weights", default="auto")
     args = ap.parse_args()
     first = start_once(args.model, args.weights)
     cached = start_once(args.model, args.weights)

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 
+from .native import NativeUnavailable, load_native
 from .errors import CacheError, NoActiveCache, UnknownCache
 from .session_cache import SessionCache
 from .step import ActiveStep
 
 SpanSpec = str | tuple[str, int]
+ATTEND_KERNEL = Path(__file__).parent / "kernels" / "attend_spans.cpp"
 
 
 class CacheRegistry:
@@ -25,6 +29,17 @@ class CacheRegistry:
         self._active: ActiveStep | None = None
         self._active_keys: tuple[str, ...] = ()
         self._lock = threading.RLock()
+        self._native: bool | None = None  # None until the first step tries to load the C++ attention
+
+    def _native_attention(self) -> bool:
+        if self._native is None:
+            try:
+                load_native("kvcache_attend", [ATTEND_KERNEL])
+                self._native = True
+            except NativeUnavailable as e:
+                warnings.warn(f"falling back to per-span SDPA attention: {e}", stacklevel=3)
+                self._native = False
+        return self._native
 
     def install(self, key: str, cache: SessionCache) -> SessionCache:
         with self._lock:
@@ -83,7 +98,7 @@ class CacheRegistry:
                 if n is not None and (not isinstance(n, int) or n <= 0):
                     raise CacheError(f"span of {key!r} must have a positive token count, got {n!r}")
                 resolved.append((self.get(key), n))
-            self._active = ActiveStep(resolved)
+            self._active = ActiveStep(resolved, native=self._native_attention())
             self._active_keys = tuple(c.key for c, _ in resolved)
 
     def active_keys(self) -> tuple[str, ...]:

@@ -92,6 +92,10 @@ class SessionCache:
         v_layer[:, self._length : end] = v
         return k_layer[:, :end], v_layer[:, :end]
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole K [L, H_kv, allocated, D] and V [L, H_kv, allocated, D_v] buffers, for kernels that append in place."""
+        return self._k, self._v
+
     def commit(self, n: int) -> None:
         assert self._length + n <= self.allocated
         self._length += n

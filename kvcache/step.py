@@ -8,6 +8,9 @@ from .errors import CacheError, PositionMismatch
 from .session_cache import SessionCache
 
 
+NATIVE_MAX_SPAN = 16  # longer spans (prefill chunks) go to SDPA, whose tiled kernel wins at length
+
+
 class ActiveStep:
     """Spans of the token axis, in order, each owned by one session cache.
 
@@ -16,7 +19,7 @@ class ActiveStep:
     refused step changes no session, and one that fails midway leaves every committed length as it was.
     """
 
-    def __init__(self, spans: list[tuple[SessionCache, int]]) -> None:
+    def __init__(self, spans: list[tuple[SessionCache, int]], native: bool = False) -> None:
         if not spans:
             raise CacheError("an active step needs at least one span")
         n_layers = {cache.config.n_layers for cache, _ in spans}
@@ -26,6 +29,7 @@ class ActiveStep:
             raise CacheError("a session may own only one span of a step")
         self.spans = spans
         self.n_layers = n_layers.pop()
+        self.native = native  # kvcache_native::attend_spans is loaded: short float32 spans skip the Python loop
         self._next_layer: int | None = None  # None: no forward in progress
 
     def _begin(self, position: torch.Tensor, n_tokens: int) -> None:
@@ -48,6 +52,18 @@ class ActiveStep:
         for (cache, _), n in zip(self.spans, sizes):
             cache.reserve(n)
         self.sizes = sizes
+        self.offsets = _starts(sizes)
+        # Spans the C++ kernel takes (storage is final now that every reserve has run); the rest use SDPA.
+        self.short = [
+            i for i, ((cache, _), n) in enumerate(zip(self.spans, sizes))
+            if self.native and n <= NATIVE_MAX_SPAN and cache.config.dtype == torch.float32
+        ]
+        self.long = sorted(set(range(len(sizes))) - set(self.short))
+        storage = [self.spans[i][0].storage() for i in self.short]
+        self.short_args = (
+            [k for k, _ in storage], [v for _, v in storage], [self.offsets[i] for i in self.short],
+            [self.spans[i][0].length for i in self.short], [sizes[i] for i in self.short],
+        )
 
     def attend(self, q, k, v, position, layer_id: int, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
         if q.shape[0] != 1:
@@ -58,20 +74,33 @@ class ActiveStep:
         elif self._next_layer != layer_id:
             self._next_layer = None
             raise CacheError(f"layers must run in order 0..{self.n_layers - 1}; got layer {layer_id} out of turn")
-        # one split per tensor rather than three slices per span: a decode step has one span per session
-        qs = q.split(self.sizes, dim=2)  # [1, H_q, n, D] each
-        ks, vs = k[0].split(self.sizes, dim=1), v[0].split(self.sizes, dim=1)  # [H_kv, n, D] each
-        outs = [
-            _attend(qi, *cache.write(layer_id, ki, vi), scale)
-            for (cache, _), qi, ki, vi in zip(self.spans, qs, ks, vs)
-        ]
+        if self.short and q.dtype == torch.float32:
+            out = self._attend_native(q, k, v, layer_id, scale)
+        else:
+            out = self._attend_each(q, k, v, layer_id, scale, range(len(self.spans)))
         self._next_layer = layer_id + 1
         if layer_id == self.n_layers - 1:
             for (cache, _), n in zip(self.spans, self.sizes):
                 cache.commit(n)
             self._next_layer = None
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H_q, S, D_v]
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def _attend_each(self, q, k, v, layer_id: int, scale: float, which) -> torch.Tensor:
+        """Write and attend span by span with SDPA -> [1, H_q, S_which, D_v] (the listed spans' rows, in order)."""
+        outs = []
+        for i in which:
+            start, n, cache = self.offsets[i], self.sizes[i], self.spans[i][0]
+            qi = q[:, :, start : start + n]  # [1, H_q, n, D]
+            ki, vi = k[0, :, start : start + n], v[0, :, start : start + n]  # [H_kv, n, D]
+            outs.append(_attend(qi, *cache.write(layer_id, ki, vi), scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_native(self, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
+        out = torch.ops.kvcache_native.attend_spans(q, k, v, layer_id, scale, *self.short_args)  # [1, H_q, S, D_v]
+        for i in self.long:
+            start, n = self.offsets[i], self.sizes[i]
+            out[:, :, start : start + n] = self._attend_each(q, k, v, layer_id, scale, [i])
+        return out
 
 
 def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:

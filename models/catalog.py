@@ -14,7 +14,7 @@ from pathlib import Path
 from .errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_WEIGHTS = "f16"  # chosen by measurement: see the README results
+DEFAULT_WEIGHTS = "auto"  # q4 where the AVX2 kernels build, else f16: chosen by measurement, see the README results
 
 
 @dataclass(frozen=True)

@@ -54,28 +54,48 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+class QKVRotary(nn.Module):
+    """Split a fused qkv projection into heads and rotate q and k (rotate-half RoPE)."""
+
+    def __init__(self, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+
+    def forward(self, qkv, cos, sin):
+        n, d = qkv.shape[1], self.head_dim
+        q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
+        q = q.view(1, n, self.n_heads, d).transpose(1, 2)  # [1, H_q, n, D]
+        k = k.view(1, n, self.n_kv_heads, d).transpose(1, 2)  # [1, H_kv, n, D]
+        v = v.view(1, n, self.n_kv_heads, d).transpose(1, 2)  # [1, H_kv, n, D]
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+
 class Attention(nn.Module):
     """Grouped-query attention over the session caches of the active step."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         c = config
-        self.layer_id, self.n_heads, self.n_kv_heads, self.head_dim = layer_id, c.n_heads, c.n_kv_heads, c.head_dim
+        self.layer_id, self.n_heads, self.head_dim = layer_id, c.n_heads, c.head_dim
         # q, k and v projections fused into one matmul: one weight read and one op instead of three
         self.qkv_proj = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
+        self.rotary = QKVRotary(c.n_heads, c.n_kv_heads, c.head_dim)
         self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
 
     def forward(self, x, positions, cos, sin):
-        n, d = x.shape[1], self.head_dim
-        qkv = self.qkv_proj(x)  # [1, n, (H_q + 2 H_kv) * D]
-        q, k, v = qkv.split([self.n_heads * d, self.n_kv_heads * d, self.n_kv_heads * d], dim=-1)
-        q = q.view(1, n, self.n_heads, d).transpose(1, 2)  # [1, H_q, n, D]
-        k = k.view(1, n, self.n_kv_heads, d).transpose(1, 2)  # [1, H_kv, n, D]
-        v = v.view(1, n, self.n_kv_heads, d).transpose(1, 2)  # [1, H_kv, n, D]
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        n = x.shape[1]
+        q, k, v = self.rotary(self.qkv_proj(x), cos, sin)  # [1, H, n, D] each
         out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.head_dim**-0.5, x.dtype)
         out = out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim)  # [1, n, H_q * D]
         return self.o_proj(out)
+
+
+class SwiGLU(nn.Module):
+    """silu(gate) * up, from the fused gate/up projection [..., 2 * ffn]."""
+
+    def forward(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)  # [..., ffn] each
+        return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -84,11 +104,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)  # gate and up, fused
+        self.act = SwiGLU()
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [1, n, ffn] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):

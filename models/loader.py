@@ -15,8 +15,16 @@ from .errors import ModelLoadError
 from .export import LoadedModel, build_model, export_program, is_artifact, load_artifact, save_artifact
 from .gguf_loader import read_gguf
 from .hf_loader import read_hf
+from .quant import model_kernels_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_weights(weights: str) -> str:
+    """"auto" -> the fastest mode this machine runs: q4 needs AVX2 and a C++ compiler, else f16."""
+    if weights != "auto":
+        return weights
+    return "q4" if model_kernels_available() else "f16"
 
 
 def resolve(spec: str) -> Path:
@@ -57,14 +65,15 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
             h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
     h.update(f"{dtype}|{weights}".encode())
     code = Path(__file__).parent
-    for name in ("llama.py", "export.py", "config.py", "gguf_loader.py", "hf_loader.py", "tokenizer.py", "quant.py"):
-        h.update((code / name).read_bytes())
+    for source in sorted(code.glob("*.py")) + sorted(code.glob("kernels/*.cpp")):
+        h.update(source.read_bytes())
     h.update(str(export_mod.ARTIFACT_FORMAT).encode())
     return h.hexdigest()[:24]
 
 
 def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32") -> LoadedModel:
     """Load an artifact as is; export a checkpoint once and keep the artifact in the cache folder."""
+    weights = resolve_weights(weights)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = resolve(spec)
@@ -80,4 +89,5 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
         save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights)
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
-    return LoadedModel(config=config, forward=program.module(), tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights)
+    forward = export_mod.runnable_module(program)
+    return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights)

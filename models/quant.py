@@ -1,18 +1,31 @@
-"""Half-size weights: fp16 storage with fbgemm's fp16 x fp32 matmul (the `f16` weights mode).
+"""Weight modes: how each nn.Linear of a built model stores its weight and which kernel multiplies it.
+
+    f32  nn.Linear as built (the reference; parity-tested against transformers)
+    f16  float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
+    q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
+         multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
+Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and
+Q8_0 weights requantize to the same blocks, so q4 on such a file loses nothing over f32. (A q8 mode
+was measured and dropped: requantizing Q4_1 weights to Q8_0 rounds them again, and it flipped 40% of
+greedy tokens on the default model while reading more bytes than q4.)
 
 Op contract, kvserve::linear_f16(x, weight, bias):
-    x       [..., K] float32
-    weight  [N, K]   float16
-    bias    [N]      float32 or None
-    returns [..., N] float32 (products and sums in float32; only the weights are rounded)
-Halving the bytes read per step is the lever on a CPU whose decode is bound by memory bandwidth.
+    x [..., K] float32, weight [N, K] float16, bias [N] float32 or None -> [..., N] float32
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
-WEIGHT_MODES = ("f32", "f16")
+from kvcache.native import NativeUnavailable, load_native
+
+from .block_quant import BLOCK, quantize_q4, quantize_q8
+from .errors import ModelLoadError
+
+WEIGHT_MODES = ("f32", "f16", "q4")
+_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp")]
 
 # fbgemm packs each weight once; packing is a pure function of the weight, so this is a memo that
 # nobody reads back as state: keyed by the weight's storage, alive as long as the process.
@@ -40,6 +53,22 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32)
 
 
+def load_model_kernels() -> None:
+    """Build (first time) and load the kvserve_native ops (block matmuls, fused elementwise) into this process."""
+    try:
+        load_native("kvserve_models", _KERNELS)
+    except NativeUnavailable as e:
+        raise ModelLoadError(f"the q4 weight mode is unavailable here ({e}); use --weights f16 or f32") from None
+
+
+def model_kernels_available() -> bool:
+    try:
+        load_model_kernels()
+        return True
+    except ModelLoadError:
+        return False
+
+
 class LinearF16(nn.Module):
     """Drop-in for nn.Linear holding float16 weights."""
 
@@ -52,11 +81,37 @@ class LinearF16(nn.Module):
         return torch.ops.kvserve.linear_f16(x, self.weight, self.bias)
 
 
-def half_linears(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear with LinearF16 (a tied lm_head gets its own fp16 copy)."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, LinearF16(child))
-        else:
-            half_linears(child)
+class LinearBlocks(nn.Module):
+    """Drop-in for nn.Linear holding Q4_1 or Q8_0 blocks."""
+
+    def __init__(self, linear: nn.Linear, fmt: str) -> None:
+        super().__init__()
+        self.fmt, self.out_features = fmt, linear.out_features
+        quantize = quantize_q4 if fmt == "q4" else quantize_q8
+        self.register_buffer("packed", quantize(linear.weight.detach()))  # [N, K/32 * block bytes] uint8
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        op = torch.ops.kvserve_native.linear_q4 if self.fmt == "q4" else torch.ops.kvserve_native.linear_q8
+        out = op(x.reshape(-1, x.shape[-1]), self.packed)  # [M, N]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)  # [..., N]
+
+
+def convert_linears(model: nn.Module, weights: str) -> nn.Module:
+    """Swap every nn.Linear for the weight mode's module (a tied lm_head gets its own copy)."""
+    if weights == "f32":
+        return model
+    if weights == "q4":
+        load_model_kernels()
+    for name, child in list(model.named_modules()):
+        if not isinstance(child, nn.Linear):
+            continue
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        leaf = name.rpartition(".")[2]
+        if weights == "f16":
+            setattr(parent, leaf, LinearF16(child))
+        elif child.in_features % BLOCK == 0:  # rows must be whole blocks; others stay float32
+            setattr(parent, leaf, LinearBlocks(child, "q8" if leaf == "lm_head" else "q4"))
     return model

@@ -18,11 +18,13 @@ log = logging.getLogger("kvserve")
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from models.catalog import DEFAULT_MODEL, DEFAULT_WEIGHTS
+    from models.quant import WEIGHT_MODES
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file, HF folder or exported artifact folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
-    p.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=["f32", "f16"],
-                   help="f32: exact; f16: half-size weights with fbgemm fp16 matmuls (faster, near-exact)")
+    p.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=["auto", *WEIGHT_MODES],
+                   help="auto: q4 where the AVX2 kernels build, else f16; f32: exact; f16: fp16 weights; q4: Q4_1 blocks (a Q4_1 GGUF's own, so lossless there) "
+                        "with AVX2 integer kernels (fastest)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -55,11 +57,12 @@ def cmd_fetch(args) -> int:
 
 def cmd_export(args) -> int:
     from models.export import save_artifact
-    from models.loader import DTYPES, export_checkpoint, resolve
+    from models.loader import DTYPES, export_checkpoint, resolve, resolve_weights
 
     start = time.time()
-    program, config, tokenizer = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=args.weights)
-    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=args.weights)
+    weights = resolve_weights(args.weights)
+    program, config, tokenizer = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=weights)
+    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=weights)
     print(f"exported {args.model} to {args.out} in {time.time() - start:.1f}s", file=sys.stderr)
     return 0
 

@@ -61,7 +61,7 @@ def perplexity(model, text):
     return math.exp(float(nll))
 
 
-@pytest.mark.parametrize("weights", ["f16"])
+@pytest.mark.parametrize("weights", ["f16", "q4"])
 def test_weights_mode_fidelity(smollm, weights):
     fast = load_model(DEFAULT_MODEL, weights=weights)
     assert fast.weights == weights

@@ -1,0 +1,141 @@
+// Attention for many short spans in one call: each span appends its k/v to its session's cache
+// and attends over that session's history, with no per-span Python.
+//
+// Op contract, kvcache_native::attend_spans (appends to the caches):
+//   q   [1, H_q, S, D] f32, k [1, H_kv, S, D] f32, v [1, H_kv, S, Dv] f32 (any strides; S is the flat token axis)
+//   k_caches[i] [L, H_kv, alloc_i, D] f32 contiguous, v_caches[i] [L, H_kv, alloc_i, Dv]
+//   offsets[i], sizes[i]: span i owns tokens offsets[i] .. offsets[i] + sizes[i] of the step
+//   lengths[i]: tokens already in cache i (the span's k/v land at lengths[i] .. lengths[i] + sizes[i])
+//   returns [1, H_q, S, Dv] f32: rows of the listed spans are filled, other rows are left for the caller
+// Token j of a span sees history 0 .. lengths[i] + j (causal, aligned to the end of the history).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include "simd.h"
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using kvserve_simd::exp8;
+using kvserve_simd::hsum;
+
+// One query over `visible` keys/values of one head; NV = head_dim / 8, q and the output stay in registers.
+template <int NV>
+void attend_one(const float* q, const float* keys, const float* values, int64_t visible, float scale, float* out,
+                std::vector<float>& scores) {
+  constexpr int D = NV * 8;
+  __m256 qv[NV];
+  for (int i = 0; i < NV; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
+  scores.resize((visible + 7) / 8 * 8);
+  float top = -INFINITY;
+  for (int64_t t = 0; t < visible; ++t) {
+    const float* kt = keys + t * D;
+    __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kt)), b = _mm256_setzero_ps();
+    for (int i = 1; i < NV; i += 2) {
+      b = _mm256_fmadd_ps(qv[i], _mm256_loadu_ps(kt + 8 * i), b);
+      if (i + 1 < NV) a = _mm256_fmadd_ps(qv[i + 1], _mm256_loadu_ps(kt + 8 * i + 8), a);
+    }
+    top = std::max(top, scores[t] = hsum(_mm256_add_ps(a, b)));
+  }
+  for (int64_t t = visible; t < (int64_t)scores.size(); ++t) scores[t] = -INFINITY;
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t t = 0; t < (int64_t)scores.size(); t += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), _mm256_set1_ps(top)));
+    _mm256_storeu_ps(&scores[t], p);
+    total = _mm256_add_ps(total, p);
+  }
+  __m256 acc[NV];
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < visible; ++t) {
+    const __m256 p = _mm256_set1_ps(scores[t]);
+    const float* vt = values + t * D;
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * i), acc[i]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+}
+
+// Any head dims: the same math, scalar.
+void attend_one_any(const float* q, const float* keys, const float* values, int64_t visible, float scale, int64_t D,
+                    int64_t Dv, float* out, std::vector<float>& scores) {
+  scores.resize(visible);
+  float top = -INFINITY;
+  for (int64_t t = 0; t < visible; ++t) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < D; ++i) s += q[i] * keys[t * D + i];
+    top = std::max(top, scores[t] = s * scale);
+  }
+  float total = 0.0f;
+  for (int64_t t = 0; t < visible; ++t) total += scores[t] = std::exp(scores[t] - top);
+  std::fill(out, out + Dv, 0.0f);
+  for (int64_t t = 0; t < visible; ++t)
+    for (int64_t i = 0; i < Dv; ++i) out[i] += scores[t] / total * values[t * Dv + i];
+}
+
+at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t layer,
+                        double scale, at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef offsets,
+                        at::IntArrayRef lengths, at::IntArrayRef sizes) {
+  const int64_t n_spans = offsets.size();
+  TORCH_CHECK(k_caches.size() == n_spans && v_caches.size() == n_spans && lengths.size() == n_spans &&
+                  sizes.size() == n_spans, "one cache pair, offset, length and size per span");
+  TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && k_in.dim() == 4 && v_in.dim() == 4, "q, k, v must be [1, H, S, D]");
+  const at::Tensor q = q_in[0].contiguous(), k = k_in[0].contiguous(), v = v_in[0].contiguous();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attend_spans works in float32");
+  const int64_t Hq = q.size(0), S = q.size(1), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
+  const int64_t group = Hq / Hkv;
+  at::Tensor out = at::empty({1, Hq, S, Dv}, q.options());
+  std::vector<float*> kc(n_spans), vc(n_spans);
+  std::vector<int64_t> alloc(n_spans);
+  for (int64_t i = 0; i < n_spans; ++i) {
+    const at::Tensor &kt = k_caches[i], &vt = v_caches[i];
+    TORCH_CHECK(kt.scalar_type() == at::kFloat && vt.scalar_type() == at::kFloat && kt.is_contiguous() &&
+                    vt.is_contiguous() && kt.size(1) == Hkv && kt.size(3) == D && vt.size(3) == Dv && layer < kt.size(0),
+                "cache ", i, " does not match the step's heads, dims or layers");
+    alloc[i] = kt.size(2);
+    TORCH_CHECK(offsets[i] >= 0 && sizes[i] > 0 && offsets[i] + sizes[i] <= S && lengths[i] >= 0 &&
+                    lengths[i] + sizes[i] <= alloc[i], "span ", i, " does not fit its cache or the step");
+    kc[i] = kt.data_ptr<float>() + layer * Hkv * alloc[i] * D;
+    vc[i] = vt.data_ptr<float>() + layer * Hkv * alloc[i] * Dv;
+  }
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Append first, so every query below can read its own token's k/v from the cache.
+  for (int64_t i = 0; i < n_spans; ++i)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t rows = sizes[i], at_token = offsets[i], at_slot = lengths[i];
+      std::memcpy(kc[i] + (h * alloc[i] + at_slot) * D, kp + (h * S + at_token) * D, rows * D * sizeof(float));
+      std::memcpy(vc[i] + (h * alloc[i] + at_slot) * Dv, vp + (h * S + at_token) * Dv, rows * Dv * sizeof(float));
+    }
+  at::parallel_for(0, n_spans * Hq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t i = job / Hq, h = job % Hq, hk = h / group;
+      const float* keys = kc[i] + hk * alloc[i] * D;
+      const float* values = vc[i] + hk * alloc[i] * Dv;
+      for (int64_t j = 0; j < sizes[i]; ++j) {
+        const int64_t token = offsets[i] + j, visible = lengths[i] + j + 1;
+        const float* qv = qp + (h * S + token) * D;
+        float* o = op + (h * S + token) * Dv;
+        if (D == 64 && Dv == 64)
+          attend_one<8>(qv, keys, values, visible, (float)scale, o, scores);
+        else if (D == 128 && Dv == 128)
+          attend_one<16>(qv, keys, values, visible, (float)scale, o, scores);
+        else
+          attend_one_any(qv, keys, values, visible, (float)scale, D, Dv, o, scores);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvcache_native, m) {
+  m.def("attend_spans(Tensor q, Tensor k, Tensor v, int layer, float scale, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, int[] offsets, int[] lengths, int[] sizes) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvcache_native, CPU, m) { m.impl("attend_spans", &attend_spans); }

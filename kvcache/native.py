@@ -1,0 +1,49 @@
+"""Build (once, cached by source hash) and load the project's C++/AVX2 kernels."""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+
+
+class NativeUnavailable(RuntimeError):
+    """The CPU lacks AVX2 or the kernels could not be compiled here."""
+
+
+def cpu_has_avx2() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+KERNEL_HEADERS = Path(__file__).parent / "kernels"  # simd.h, shared by every kernel
+
+
+def load_native(name: str, sources: list[Path]) -> None:
+    """Compile `sources` into a shared library registering torch ops, and load it into this process.
+
+    The build folder's name carries a hash of the sources, so an edited kernel is rebuilt and an
+    unchanged one is only loaded (well under a second).
+    """
+    if not cpu_has_avx2():
+        raise NativeUnavailable(f"the {name} kernels need an AVX2 CPU; this one reports {torch.backends.cpu.get_cpu_capability()}")
+    inputs = [*sources, *sorted(KERNEL_HEADERS.glob("*.h"))]
+    digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in inputs) + torch.__version__.encode()).hexdigest()[:12]
+    root = Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve").expanduser()
+    build = root / "native" / f"{name}-{digest}"
+    library = build / f"{name}.so"
+    if str(library) in torch.ops.loaded_libraries:  # torch's own record; loading twice would register ops twice
+        return
+    if not library.is_file():
+        from torch.utils.cpp_extension import load
+
+        build.mkdir(parents=True, exist_ok=True)
+        try:
+            load(name, [str(s) for s in sources], extra_cflags=AVX2_FLAGS, extra_include_paths=[str(KERNEL_HEADERS)],
+                 build_directory=str(build), is_python_module=False)
+        except Exception as e:  # a missing compiler, ninja or header surfaces as many exception types
+            raise NativeUnavailable(f"could not build the {name} kernels: {type(e).__name__}: {str(e)[-2000:]}") from None
+    else:
+        torch.ops.load_library(str(library))

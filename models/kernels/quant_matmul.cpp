@@ -1,0 +1,323 @@
+// Weight-only quantized linear layers for AVX2 CPUs, in llama.cpp's block formats.
+//
+// Op contracts (registered as kvserve_native::*):
+//   linear_q4(x [M, K] f32, w [N, K/32*20] u8) -> [M, N] f32
+//       w rows are Q4_1 blocks of 32 weights: fp16 scale d, fp16 min m, 16 bytes of nibbles
+//       (byte j holds weight j in its low nibble and weight j+16 in its high one); w = d*q + m.
+//   linear_q8(x [M, K] f32, w [N, K/32*34] u8) -> [M, N] f32
+//       w rows are Q8_0 blocks: fp16 scale d, 32 int8; w = d*q.
+// For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767: int8, as
+// llama.cpp uses, flipped greedy tokens too often) and each block's products are summed in int32 by
+// madd, then scaled in f32. From FLOAT_ROWS rows on, weight rows are dequantized into float32 tiles.
+// Batch-1 decode is bound by memory bandwidth, so reading 0.6 (Q4) or 1.06 (Q8) bytes per weight
+// instead of 4 is the lever; several activation rows share each weight block once it is loaded.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include "simd.h"
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t QK = 32;
+constexpr int64_t Q4_BYTES = 20;
+constexpr int64_t Q8_BYTES = 34;
+constexpr int64_t MAX_ROWS = 4;   // activation rows sharing one weight-block load
+constexpr int64_t ROW_CHUNK = 32; // weight rows kept hot in L1/L2 while the activation rows stream
+constexpr int64_t DEQUANT_ROWS = 16;  // weight rows a thread dequantizes at once (36 KB at K=576)
+#ifndef SGEMM_ROWS
+#define SGEMM_ROWS 32  // from this many activation rows on, dequantize panels for sgemm
+#endif
+#ifndef FLOAT_ROWS
+#define FLOAT_ROWS 4  // from this many activation rows on, dequantized float32 tiles beat integer dot products
+#endif
+constexpr int64_t SGEMM_PANEL = 1024;  // weight rows per sgemm call
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+using kvserve_simd::hsum;
+
+// One block of 32 floats -> 32 int16 (round to nearest), its scale, and scale * sum(q).
+inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  __m256 amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float scale = _mm_cvtss_f32(m) / 32767.0f;
+  const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
+  __m256i i[4];
+  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+  // packs works within 128-bit lanes; the permute puts the 16 values of each half back in order
+  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xD8);
+  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xD8);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
+  *d = scale;
+  *s = scale * hsum(_mm256_cvtepi32_ps(total));
+}
+
+struct QuantizedRows {
+  at::Tensor q, d, s;  // [M, K] int16, [M, K/32] f32, [M, K/32] f32
+};
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  QuantizedRows r{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, nb}, x.options()),
+                  at::empty({M, nb}, x.options())};
+  const float* xp = x.data_ptr<float>();
+  int16_t* qp = r.q.data_ptr<int16_t>();
+  float *dp = r.d.data_ptr<float>(), *sp = r.s.data_ptr<float>();
+  // rows are contiguous and K is a whole number of blocks, so block i of the flat array is block i % nb of row i / nb
+  at::parallel_for(0, M * nb, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
+  });
+  return r;
+}
+
+// Sum over one block of 16-bit weights w0 (elements 0-15), w1 (16-31) times activation block x.
+inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t* x) {
+  const __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  const __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+}
+
+// out[r * ldo + c] = dot(weight row c, activation row r) for C weight rows (row_bytes apart) and R
+// activation rows: R*C independent accumulators, so no single FMA latency chain bounds a thread.
+template <int R, int C>
+inline void dot_q4(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
+                   int64_t K, int64_t nb, float* out, int64_t ldo) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  __m256 acc[R][C];
+  float mins[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* blk = w + c * row_bytes + b * Q4_BYTES;
+      const float dw = half_at(blk), mw = half_at(blk + 2);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = block_dot(w0, w1, xq + r * K + b * QK);
+        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r][c]);
+        mins[r][c] += mw * xs[r * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) + mins[r][c];
+}
+
+template <int R, int C>
+inline void dot_q8(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float*, int64_t K,
+                   int64_t nb, float* out, int64_t ldo) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* blk = w + c * row_bytes + b * Q8_BYTES;
+      const float dw = half_at(blk);
+      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wq, 1));
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = block_dot(w0, w1, xq + r * K + b * QK);
+        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
+}
+
+// Weight rows [n0, n1) -> float32 [n1 - n0, K].
+void dequantize_q4(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* out) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b, out += QK) {
+      const uint8_t* blk = w + (n * nb + b) * Q4_BYTES;
+      const __m256 d = _mm256_set1_ps(half_at(blk)), m = _mm256_set1_ps(half_at(blk + 2));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m128i halves[2] = {_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)};
+      for (int h = 0; h < 2; ++h) {
+        const __m256i a = _mm256_cvtepu8_epi32(halves[h]), bq = _mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8));
+        _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), d, m));
+        _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), d, m));
+      }
+    }
+  }
+}
+
+void dequantize_q8(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t b = 0; b < nb; ++b, out += QK) {
+      const uint8_t* blk = w + (n * nb + b) * Q8_BYTES;
+      const __m256 d = _mm256_set1_ps(half_at(blk));
+      for (int i = 0; i < 4; ++i) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+      }
+    }
+  }
+}
+
+using DotFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
+using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
+
+struct Format {
+  int64_t block_bytes;
+  DotFn wide[MAX_ROWS];  // R = 1..4 activation rows, over WIDE[R - 1] weight rows at once
+  DotFn narrow[MAX_ROWS];  // R = 1..4 activation rows, one weight row
+  DequantFn dequantize;
+};
+constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1, 1};
+
+const Format Q4{Q4_BYTES, {dot_q4<1, 4>, dot_q4<2, 2>, dot_q4<3, 1>, dot_q4<4, 1>},
+                {dot_q4<1, 1>, dot_q4<2, 1>, dot_q4<3, 1>, dot_q4<4, 1>}, dequantize_q4};
+const Format Q8{Q8_BYTES, {dot_q8<1, 4>, dot_q8<2, 2>, dot_q8<3, 1>, dot_q8<4, 1>},
+                {dot_q8<1, 1>, dot_q8<2, 1>, dot_q8<3, 1>, dot_q8<4, 1>}, dequantize_q8};
+
+// Few rows: quantize the activations and take integer dot products (reads each weight byte once).
+void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, float* op) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK, row_bytes = nb * f.block_bytes;
+  const QuantizedRows xq = quantize_rows(x);
+  const int16_t* qp = xq.q.data_ptr<int16_t>();
+  const float *dp = xq.d.data_ptr<float>(), *sp = xq.s.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n0 = begin; n0 < end; n0 += ROW_CHUNK) {
+      const int64_t n1 = std::min(end, n0 + ROW_CHUNK);
+      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        const int64_t rows = std::min(MAX_ROWS, M - m0), wide = WIDE[rows - 1];
+        const int64_t xo = m0 * K, so = m0 * nb;
+        int64_t n = n0;
+        for (; n + wide <= n1; n += wide)
+          f.wide[rows - 1](wp + n * row_bytes, row_bytes, qp + xo, dp + so, sp + so, K, nb, op + m0 * N + n, N);
+        for (; n < n1; ++n)
+          f.narrow[rows - 1](wp + n * row_bytes, row_bytes, qp + xo, dp + so, sp + so, K, nb, op + m0 * N + n, N);
+      }
+    }
+  });
+}
+
+// dots of R activation rows and C dequantized weight rows (float32, K long): R*C accumulators, each
+// x and w vector loaded once per tile.
+template <int R, int C>
+inline void dot_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
+}
+
+using F32Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
+constexpr int64_t TILE_ROWS = 4, TILE_COLS = 2;
+const F32Fn F32_TILES[TILE_ROWS][TILE_COLS] = {{dot_f32<1, 1>, dot_f32<1, 2>}, {dot_f32<2, 1>, dot_f32<2, 2>},
+                                               {dot_f32<3, 1>, dot_f32<3, 2>}, {dot_f32<4, 1>, dot_f32<4, 2>}};
+
+// Many rows: compute bound. Each thread dequantizes a chunk of weight rows into a float32 buffer that
+// stays in L2 and runs every activation row over it with a register-tiled float32 kernel: the
+// activations stay exact, and the dequantizing cost is shared by all M rows.
+void large_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, float* op) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, N, DEQUANT_ROWS, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(DEQUANT_ROWS * K);
+    for (int64_t n0 = begin; n0 < end; n0 += DEQUANT_ROWS) {
+      const int64_t n1 = std::min(end, n0 + DEQUANT_ROWS);
+      f.dequantize(wp, nb, n0, n1, panel.data());
+      for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+        const int64_t rows = std::min(TILE_ROWS, M - m0);
+        for (int64_t n = n0; n < n1; n += TILE_COLS) {
+          const int64_t cols = std::min(TILE_COLS, n1 - n);
+          F32_TILES[rows - 1][cols - 1](xp + m0 * K, K, panel.data() + (n - n0) * K, K, op + m0 * N + n, N);
+        }
+      }
+    }
+  });
+}
+
+// Many rows and a wide K: sgemm's packed kernels beat the tiles above, so dequantize a panel of
+// weight rows (sized to stay in L2/L3) and hand it to at::mm.
+void sgemm_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, at::Tensor& out) {
+  const int64_t K = x.size(1), nb = K / QK;
+  at::Tensor panel = at::empty({std::min(N, SGEMM_PANEL), K}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += SGEMM_PANEL) {
+    const int64_t rows = std::min(SGEMM_PANEL, N - n0);
+    float* pp = panel.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      f.dequantize(wp, nb, n0 + begin, n0 + end, pp + begin * K);
+    });
+    if (rows == N)
+      at::mm_out(out, x, panel.t());
+    else
+      out.narrow(1, n0, rows).copy_(at::mm(x, panel.narrow(0, 0, rows).t()));
+  }
+}
+
+at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
+  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kByte, "w must be [N, K/32 * block bytes] uint8");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor w = w_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / QK;
+  TORCH_CHECK(K % QK == 0 && w.size(1) == nb * f.block_bytes, "w holds ", w.size(1), " bytes per row; K=", K,
+              " needs ", nb * f.block_bytes);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  if (M >= SGEMM_ROWS)
+    sgemm_batch(x, w.data_ptr<uint8_t>(), N, f, out);
+  else if (M >= FLOAT_ROWS)
+    large_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
+  else
+    small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w) { return linear_blocks(x, w, Q4); }
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w) { return linear_blocks(x, w, Q8); }
+
+// Shapes only, for tracing and export (symbolic M).
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
+  return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options().dtype(at::kFloat));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvserve_native, m) {
+  m.def("linear_q4(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
+  m.impl("linear_q4", &linear_q4);
+  m.impl("linear_q8", &linear_q8);
+}
+
+TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) {
+  m.impl("linear_q4", &linear_meta);
+  m.impl("linear_q8", &linear_meta);
+}

@@ -86,17 +86,15 @@ class LinearBlocks(nn.Module):
 
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__()
-        self.fmt, self.out_features = fmt, linear.out_features
+        self.fmt = fmt
         quantize = quantize_q4 if fmt == "q4" else quantize_q8
         self.register_buffer("packed", quantize(linear.weight.detach()))  # [N, K/32 * block bytes] uint8
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = torch.ops.kvserve_native.linear_q4 if self.fmt == "q4" else torch.ops.kvserve_native.linear_q8
-        out = op(x.reshape(-1, x.shape[-1]), self.packed)  # [M, N]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)  # [..., N]
+        out = op(x, self.packed)  # [..., N]
+        return out if self.bias is None else out + self.bias
 
 
 def convert_linears(model: nn.Module, weights: str) -> nn.Module:

@@ -5,6 +5,7 @@ the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -75,19 +76,51 @@ def _penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return logits - freq * counts - pres * (counts > 0).float()
 
 
-def _filter_sorted(sorted_logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Mask (to -inf) what top-k, top-p and min-p remove, on logits sorted descending per row."""
+def _filter_sorted(sorted_logits: torch.Tensor, log_total: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Mask (to -inf) what top-k, top-p and min-p remove, on the leading logits of each row sorted
+    descending [m, C]; log_total [m, 1] is the logsumexp over the whole vocabulary."""
     vocab = sorted_logits.shape[1]
-    ranks = torch.arange(vocab).unsqueeze(0)  # [1, V]
+    ranks = torch.arange(vocab).unsqueeze(0)  # [1, C]
     top_k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]).unsqueeze(1)
     top_p = torch.tensor([r.params.top_p for r in rows]).unsqueeze(1)
     min_p = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
-    probs = sorted_logits.softmax(-1)
+    probs = (sorted_logits - log_total).exp()  # probabilities in the full distribution
     drop = ranks >= top_k
     drop |= (probs.cumsum(-1) - probs) > top_p  # keeps the smallest prefix reaching top_p
     drop |= probs < min_p * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
     return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+CANDIDATES = 256  # a top-k/top-p/min-p row is filtered among its leading candidates when they hold enough mass
+
+
+def _candidates(scaled: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unnormalized sampling weights [m, C] and their token ids [m, C] (None: all V tokens, in id order).
+
+    Sorting the whole vocabulary (49k logits) costs milliseconds a step, so plain sampling draws
+    from the unsorted distribution, and a filtering row sorts only its top candidates; the full sort
+    remains for top-p mass spread beyond them.
+    """
+    params = [r.params for r in rows]
+    if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+        return scaled.softmax(-1), None
+    vocab = scaled.shape[1]
+    log_total = scaled.logsumexp(-1, keepdim=True)  # [m, 1]
+    k = min(vocab, max(CANDIDATES, *(p.top_k for p in params)))
+    top, order = scaled.topk(k, dim=-1)  # [m, k] each, sorted descending
+    if k < vocab and not all(_covered(p, row, lt, k) for p, row, lt in zip(params, top, log_total)):
+        top, order = scaled.sort(dim=-1, descending=True)
+    return _filter_sorted(top, log_total, rows).softmax(-1), order
+
+
+def _covered(p: SamplingParams, top: torch.Tensor, log_total: torch.Tensor, k: int) -> bool:
+    """Whether a row's kept tokens all lie among its k leading candidates top [k] (sorted descending)."""
+    if 0 < p.top_k <= k:
+        return True
+    if p.top_p < 1.0 and float((top - log_total).exp().sum()) >= p.top_p:
+        return True
+    return p.min_p > 0.0 and float(top[-1] - top[0]) < math.log(p.min_p)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
@@ -99,12 +132,12 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
     tokens = logits.argmax(-1)
     if not bool(greedy.all()):
         temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows]).unsqueeze(1)
-        sorted_logits, order = (logits / temps).sort(dim=-1, descending=True)  # [m, V] each
-        probs = _filter_sorted(sorted_logits, rows).softmax(-1)
+        scaled = logits / temps  # [m, V]
+        probs, order = _candidates(scaled, rows)  # [m, C] each (order None: the whole vocabulary, unsorted)
         u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [m], one draw per row
         cdf = probs.cumsum(-1)
         pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=probs.shape[1] - 1)  # [m, 1]
-        drawn = order.gather(1, pick).squeeze(1)
+        drawn = (pick if order is None else order.gather(1, pick)).squeeze(1)
         tokens = torch.where(greedy, tokens, drawn)
     out = tokens.tolist()
     if all(r.params.logprobs is None for r in rows):

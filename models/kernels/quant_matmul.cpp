@@ -1,10 +1,10 @@
 // Weight-only quantized linear layers for AVX2 CPUs, in llama.cpp's block formats.
 //
 // Op contracts (registered as kvserve_native::*):
-//   linear_q4(x [M, K] f32, w [N, K/32*20] u8) -> [M, N] f32
+//   linear_q4(x [..., K] f32, w [N, K/32*20] u8) -> [..., N] f32
 //       w rows are Q4_1 blocks of 32 weights: fp16 scale d, fp16 min m, 16 bytes of nibbles
 //       (byte j holds weight j in its low nibble and weight j+16 in its high one); w = d*q + m.
-//   linear_q8(x [M, K] f32, w [N, K/32*34] u8) -> [M, N] f32
+//   linear_q8(x [..., K] f32, w [N, K/32*34] u8) -> [..., N] f32
 //       w rows are Q8_0 blocks: fp16 scale d, 32 int8; w = d*q.
 // For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767: int8, as
 // llama.cpp uses, flipped greedy tokens too often) and each block's products are summed in int32 by
@@ -279,22 +279,24 @@ void sgemm_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
 }
 
 at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
-  TORCH_CHECK(x_in.dim() == 2, "x must be [M, K]");
+  TORCH_CHECK(x_in.dim() >= 1, "x must be [..., K]");
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kByte, "w must be [N, K/32 * block bytes] uint8");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, x_in.size(-1)});
   const at::Tensor w = w_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0 && w.size(1) == nb * f.block_bytes, "w holds ", w.size(1), " bytes per row; K=", K,
               " needs ", nb * f.block_bytes);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
+  if (M == 0) return out.view(shape);
   if (M >= SGEMM_ROWS)
     sgemm_batch(x, w.data_ptr<uint8_t>(), N, f, out);
   else if (M >= FLOAT_ROWS)
     large_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
   else
     small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
-  return out;
+  return out.view(shape);
 }
 
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w) { return linear_blocks(x, w, Q4); }
@@ -302,7 +304,9 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w) { return linear_b
 
 // Shapes only, for tracing and export (symbolic M).
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
-  return at::empty_symint({x.sym_size(0), w.sym_size(0)}, x.options().dtype(at::kFloat));
+  std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
+  shape.back() = w.sym_size(0);
+  return at::empty_symint(shape, x.options().dtype(at::kFloat));
 }
 
 }  // namespace

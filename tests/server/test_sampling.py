@@ -60,3 +60,13 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m.feed("a#") == "a" and m.feed("#b") == "##b" and m.flush() == ""
     m = StopMatcher(("###",))
     assert m.feed("a##") == "a" and m.flush() == "##"
+
+
+def test_top_p_reaches_past_the_leading_candidates():
+    """With flat logits, top-p 0.5 keeps half the vocabulary, far more than the candidates sorted first."""
+    vocab = 4096
+    rows = [SampleRow(SamplingParams(temperature=1.0, top_p=0.5), torch.Generator().manual_seed(s)) for s in range(64)]
+    drawn = set()
+    for _ in range(4):
+        drawn.update(s.token for s in sample(torch.zeros(len(rows), vocab), rows))
+    assert len(drawn) > 200  # 256 draws over ~2048 kept tokens; the first 256 candidates alone could not give this

@@ -4,6 +4,9 @@ FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 KVSERVE_CACHE=/data/kvserve
 WORKDIR /app
 
+# g++ builds the AVX2 kernels (q4 weights, span attention) once, into the image
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # the CPU build of torch, pinned like pyproject.toml (a plain `torch` would pull a CUDA build)
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
@@ -11,7 +14,7 @@ COPY pyproject.toml README.md ./
 COPY kvcache ./kvcache
 COPY models ./models
 COPY server ./server
-RUN pip install .
+RUN pip install . && kvserve kernels
 
 VOLUME /data/kvserve
 EXPOSE 8000

@@ -31,7 +31,8 @@ class CacheRegistry:
         self._lock = threading.RLock()
         self._native: bool | None = None  # None until the first step tries to load the C++ attention
 
-    def _native_attention(self) -> bool:
+    def native_attention(self) -> bool:
+        """Whether kvcache_native::attend_spans is loaded (built on first call; False without AVX2 or a compiler)."""
         if self._native is None:
             try:
                 load_native("kvcache_attend", [ATTEND_KERNEL])
@@ -98,7 +99,7 @@ class CacheRegistry:
                 if n is not None and (not isinstance(n, int) or n <= 0):
                     raise CacheError(f"span of {key!r} must have a positive token count, got {n!r}")
                 resolved.append((self.get(key), n))
-            self._active = ActiveStep(resolved, native=self._native_attention())
+            self._active = ActiveStep(resolved, native=self.native_attention())
             self._active_keys = tuple(c.key for c, _ in resolved)
 
     def active_keys(self) -> tuple[str, ...]:

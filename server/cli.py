@@ -55,6 +55,18 @@ def cmd_fetch(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    """Build (or find already built) the C++/AVX2 kernels, so no server start pays for compiling them."""
+    from kvcache import REGISTRY
+    from models.quant import model_kernels_available
+
+    models_ok = model_kernels_available()
+    attention_ok = REGISTRY.native_attention()
+    print(f"model kernels (q4 weights, fused ops): {'ready' if models_ok else 'unavailable'}; "
+          f"span attention: {'ready' if attention_ok else 'unavailable'}")
+    return 0 if models_ok and attention_ok else 1
+
+
 def cmd_export(args) -> int:
     from models.export import save_artifact
     from models.loader import DTYPES, export_checkpoint, resolve, resolve_weights
@@ -155,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("fetch", help="download a named model into the cache folder")
     _add_model_args(p)
     p.set_defaults(func=cmd_fetch)
+
+    p = sub.add_parser("kernels", help="build the C++/AVX2 kernels now (they are cached by source hash)")
+    p.set_defaults(func=cmd_kernels)
 
     p = sub.add_parser("export", help="export a model once into an artifact folder")
     _add_model_args(p)

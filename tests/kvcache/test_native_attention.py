@@ -1,0 +1,62 @@
+"""The C++ span attention against the per-span SDPA path it replaces, on the same caches."""
+import pytest
+import torch
+
+from kvcache import CacheConfig, SessionCache, Sizing
+from kvcache.registry import CacheRegistry
+from kvcache.step import NATIVE_MAX_SPAN, ActiveStep
+
+LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 2, 6, 64
+
+
+def make_caches(histories, sizing):
+    caches = []
+    for i, n in enumerate(histories):
+        c = SessionCache(CacheConfig(LAYERS, KV_HEADS, DIM, capacity=128, sizing=sizing), key=f"s{i}")
+        c.reserve(n)
+        for layer in range(LAYERS):
+            c.write(layer, torch.randn(KV_HEADS, n, DIM), torch.randn(KV_HEADS, n, DIM))
+        c.commit(n)
+        caches.append(c)
+    return caches
+
+
+def clone(caches):
+    out = []
+    for c in caches:
+        copy = SessionCache(c.config, key=c.key)
+        copy.reserve(c.length)
+        for layer in range(LAYERS):
+            copy.write(layer, *c.history(layer))
+        copy.commit(c.length)
+        out.append(copy)
+    return out
+
+
+def run(caches, sizes, native, q, k, v):
+    step = ActiveStep(list(zip(caches, sizes)), native=native)
+    position = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, sizes)]).unsqueeze(1)
+    return [step.attend(q[layer], k[layer], v[layer], position, layer, DIM**-0.5, torch.float32) for layer in range(LAYERS)]
+
+
+@pytest.mark.parametrize("sizing", [Sizing.STATIC, Sizing.DYNAMIC])
+@pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, NATIVE_MAX_SPAN + 4, 1], [5]])
+def test_native_matches_sdpa_and_writes_the_same_history(sizing, sizes):
+    torch.manual_seed(0)
+    if not CacheRegistry().native_attention():
+        pytest.skip("no AVX2 CPU or compiler here")
+    histories = [7, 0, 33, 12][: len(sizes)]
+    exact = make_caches(histories, sizing)
+    fast = clone(exact)
+    s = sum(sizes)
+    # [L, 1, H, S, D] views of [L, 1, S, H, D] storage: strided, as the plain-torch model hands them over
+    q, k, v = (torch.randn(LAYERS, 1, s, h, DIM).transpose(2, 3) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    want = run(exact, sizes, False, q, k, v)
+    got = run(fast, sizes, True, q, k, v)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    for a, b in zip(exact, fast):
+        assert a.length == b.length
+        for layer in range(LAYERS):
+            for x, y in zip(a.history(layer), b.history(layer)):
+                assert torch.equal(x, y)

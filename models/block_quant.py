@@ -1,8 +1,10 @@
 """llama.cpp's Q4_1 and Q8_0 block formats as uint8 tensors: quantize and dequantize in torch.
 
-Layout contract, per weight row of K values (K a multiple of 32), K/32 blocks back to back:
-    Q4_1 block, 20 bytes: fp16 scale d, fp16 min m, 16 bytes; byte j = q[j] | q[j + 16] << 4, w = d*q + m
-    Q8_0 block, 34 bytes: fp16 scale d, 32 int8 q; w = d*q
+Layout contract, per weight row of K values (K a multiple of 32, nb = K/32 blocks), fields as arrays:
+    Q4_1, 20 bytes a block: nb*16 bytes of nibbles (byte j of a block = q[j] | q[j + 16] << 4),
+          then nb fp16 scales d, then nb fp16 mins m; w = d*q + m
+    Q8_0, 34 bytes a block: nb*32 int8 q, then nb fp16 scales d; w = d*q
+(llama.cpp interleaves each block's fields; arrays let the kernels load four scales at once.)
 Quantizing rounds with the fp16 scale actually stored, so a tensor dequantized from these formats
 (a GGUF's Q4_1/Q8_0 weights) quantizes back to the same blocks.
 """
@@ -35,7 +37,8 @@ def quantize_q4(w: torch.Tensor) -> torch.Tensor:
     inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
     q = ((b - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)  # [N, nb, 32]
     nibbles = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
-    return torch.cat([_as_bytes(d), _as_bytes(m), nibbles], dim=-1).reshape(w.shape[0], -1)
+    n = w.shape[0]
+    return torch.cat([nibbles.reshape(n, -1), _as_bytes(d).reshape(n, -1), _as_bytes(m).reshape(n, -1)], dim=-1)
 
 
 def quantize_q8(w: torch.Tensor) -> torch.Tensor:
@@ -44,18 +47,20 @@ def quantize_q8(w: torch.Tensor) -> torch.Tensor:
     d = (b.abs().amax(-1) / 127).half()  # [N, nb]
     inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     q = (b * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)  # [N, nb, 32]
-    return torch.cat([_as_bytes(d), q.view(torch.uint8)], dim=-1).reshape(w.shape[0], -1)
+    n = w.shape[0]
+    return torch.cat([q.view(torch.uint8).reshape(n, -1), _as_bytes(d).reshape(n, -1)], dim=-1)
 
 
 def dequantize(packed: torch.Tensor, fmt: str) -> torch.Tensor:
     """[N, K/32 * bytes] uint8 -> [N, K] float32."""
     n = packed.shape[0]
-    blocks = packed.reshape(n, -1, BYTES_PER_BLOCK[fmt])  # [N, nb, bytes]
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, nb, 1]
+    nb = packed.shape[1] // BYTES_PER_BLOCK[fmt]
+    quant = 16 if fmt == "q4" else 32
+    d = packed[:, nb * quant : nb * (quant + 2)].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
     if fmt == "q8":
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [N, nb, 32]
+        q = packed[:, : nb * 32].contiguous().view(torch.int8).float().reshape(n, nb, 32)  # [N, nb, 32]
         return (d * q).reshape(n, -1)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float()  # [N, nb, 1]
-    nib = blocks[..., 4:]  # [N, nb, 16]
+    m = packed[:, nb * 18 :].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
+    nib = packed[:, : nb * 16].reshape(n, nb, 16)  # [N, nb, 16]
     q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()  # [N, nb, 32]
     return (d * q + m).reshape(n, -1)

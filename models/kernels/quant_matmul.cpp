@@ -2,10 +2,12 @@
 //
 // Op contracts (registered as kvserve_native::*):
 //   linear_q4(x [..., K] f32, w [N, K/32*20] u8) -> [..., N] f32
-//       w rows are Q4_1 blocks of 32 weights: fp16 scale d, fp16 min m, 16 bytes of nibbles
-//       (byte j holds weight j in its low nibble and weight j+16 in its high one); w = d*q + m.
+//       a w row holds llama.cpp's Q4_1 blocks of 32 weights, stored as arrays: nb*16 bytes of nibbles
+//       (byte j of a block holds weight j in its low nibble and j+16 in its high one), then nb fp16
+//       scales d, then nb fp16 mins m; w = d*q + m.
 //   linear_q8(x [..., K] f32, w [N, K/32*34] u8) -> [..., N] f32
-//       w rows are Q8_0 blocks: fp16 scale d, 32 int8; w = d*q.
+//       a w row holds Q8_0 blocks as arrays: nb*32 int8, then nb fp16 scales d; w = d*q.
+// Scales as arrays rather than inside each block let the kernels load and convert four at a time.
 // For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767: int8, as
 // llama.cpp uses, flipped greedy tokens too often) and each block's products are summed in int32 by
 // madd, then scaled in f32. From FLOAT_ROWS rows on, weight rows are dequantized into float32 tiles.
@@ -39,6 +41,22 @@ inline float half_at(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
+}
+
+inline __m128 four_halves(const uint8_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// [b0 b1 b2 b3] per-block int32 partial vectors -> one vector whose low lanes hold blocks 0..3's
+// sums over elements 0..3 of each partial and high lanes over 4..7 (summing all lanes is exact).
+inline __m256 four_block_sums(const __m256i p[4]) {
+  return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])));
+}
+
+inline float hsum128(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 
 using kvserve_simd::hsum;
@@ -87,72 +105,90 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   return r;
 }
 
-// Sum over one block of 16-bit weights w0 (elements 0-15), w1 (16-31) times activation block x.
-inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t* x) {
+// int32 partial sums [8] of one block of 16-bit weights w0 (elements 0-15), w1 (16-31) times activations x.
+inline __m256i block_dot(__m256i w0, __m256i w1, const int16_t* x) {
   const __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
   const __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b));
+  return _mm256_add_epi32(a, b);
 }
+
+struct Q4Block {
+  static constexpr int64_t bytes = Q4_BYTES, quant_bytes = 16;
+  static constexpr bool has_min = true;
+  static inline void unpack(const uint8_t* q, __m256i& w0, __m256i& w1) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+  }
+};
+
+struct Q8Block {
+  static constexpr int64_t bytes = Q8_BYTES, quant_bytes = 32;
+  static constexpr bool has_min = false;
+  static inline void unpack(const uint8_t* q, __m256i& w0, __m256i& w1) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+    w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
+    w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+  }
+};
 
 // out[r * ldo + c] = dot(weight row c, activation row r) for C weight rows (row_bytes apart) and R
-// activation rows: R*C independent accumulators, so no single FMA latency chain bounds a thread.
-template <int R, int C>
-inline void dot_q4(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
-                   int64_t K, int64_t nb, float* out, int64_t ldo) {
-  const __m128i low = _mm_set1_epi8(0x0F);
+// activation rows: R*C independent accumulators. Four blocks at a time share one scale multiply.
+template <class B, int R, int C>
+inline void dot_rows(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
+                     int64_t K, int64_t nb, float* out, int64_t ldo) {
   __m256 acc[R][C];
-  float mins[R][C];
+  __m128 mins[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = 0.0f;
-  for (int64_t b = 0; b < nb; ++b) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = _mm_setzero_ps();
+  const int64_t scales_at = nb * B::quant_bytes, mins_at = scales_at + 2 * nb;
+  int64_t b = 0;
+  for (; b + 4 <= nb; b += 4) {
     for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w + c * row_bytes + b * Q4_BYTES;
-      const float dw = half_at(blk), mw = half_at(blk + 2);
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
-      const __m256i w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-      const __m256i w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+      const uint8_t* row = w + c * row_bytes;
+      const __m128 dw = four_halves(row + scales_at + 2 * b);
+      // the hardware prefetcher falls behind four interleaved row streams; fetch 16 blocks ahead
+      for (int64_t line = 0; line < 4 * B::quant_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(row + (b + 16) * B::quant_bytes + line), _MM_HINT_T0);
+      __m256i w0[4], w1[4];
+      for (int j = 0; j < 4; ++j) B::unpack(row + (b + j) * B::quant_bytes, w0[j], w1[j]);
       for (int r = 0; r < R; ++r) {
-        const __m256 p = block_dot(w0, w1, xq + r * K + b * QK);
+        __m256i p[4];
+        for (int j = 0; j < 4; ++j) p[j] = block_dot(w0[j], w1[j], xq + r * K + (b + j) * QK);
+        const __m128 scale = _mm_mul_ps(dw, _mm_loadu_ps(xd + r * nb + b));
+        acc[r][c] = _mm256_fmadd_ps(four_block_sums(p), _mm256_set_m128(scale, scale), acc[r][c]);
+        if (B::has_min)
+          mins[r][c] = _mm_fmadd_ps(four_halves(row + mins_at + 2 * b), _mm_loadu_ps(xs + r * nb + b), mins[r][c]);
+      }
+    }
+  }
+  for (; b < nb; ++b) {  // the last nb % 4 blocks, one at a time
+    for (int c = 0; c < C; ++c) {
+      const uint8_t* row = w + c * row_bytes;
+      const float dw = half_at(row + scales_at + 2 * b);
+      __m256i w0, w1;
+      B::unpack(row + b * B::quant_bytes, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 p = _mm256_cvtepi32_ps(block_dot(w0, w1, xq + r * K + b * QK));
         acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r][c]);
-        mins[r][c] += mw * xs[r * nb + b];
+        if (B::has_min)
+          mins[r][c] = _mm_add_ss(mins[r][c], _mm_set_ss(half_at(row + mins_at + 2 * b) * xs[r * nb + b]));
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) + mins[r][c];
-}
-
-template <int R, int C>
-inline void dot_q8(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float*, int64_t K,
-                   int64_t nb, float* out, int64_t ldo) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* blk = w + c * row_bytes + b * Q8_BYTES;
-      const float dw = half_at(blk);
-      const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wq));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wq, 1));
-      for (int r = 0; r < R; ++r) {
-        const __m256 p = block_dot(w0, w1, xq + r * K + b * QK);
-        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
+    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) + hsum128(mins[r][c]);
 }
 
 // Weight rows [n0, n1) -> float32 [n1 - n0, K].
 void dequantize_q4(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* out) {
   const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * Q4_BYTES;
     for (int64_t b = 0; b < nb; ++b, out += QK) {
-      const uint8_t* blk = w + (n * nb + b) * Q4_BYTES;
-      const __m256 d = _mm256_set1_ps(half_at(blk)), m = _mm256_set1_ps(half_at(blk + 2));
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+      const __m256 d = _mm256_set1_ps(half_at(row + nb * 16 + 2 * b)), m = _mm256_set1_ps(half_at(row + nb * 18 + 2 * b));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
       const __m128i halves[2] = {_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)};
       for (int h = 0; h < 2; ++h) {
         const __m256i a = _mm256_cvtepu8_epi32(halves[h]), bq = _mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8));
@@ -165,11 +201,11 @@ void dequantize_q4(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* 
 
 void dequantize_q8(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* out) {
   for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * nb * Q8_BYTES;
     for (int64_t b = 0; b < nb; ++b, out += QK) {
-      const uint8_t* blk = w + (n * nb + b) * Q8_BYTES;
-      const __m256 d = _mm256_set1_ps(half_at(blk));
+      const __m256 d = _mm256_set1_ps(half_at(row + nb * 32 + 2 * b));
       for (int i = 0; i < 4; ++i) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i));
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + 8 * i));
         _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
       }
     }
@@ -187,10 +223,14 @@ struct Format {
 };
 constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1, 1};
 
-const Format Q4{Q4_BYTES, {dot_q4<1, 4>, dot_q4<2, 2>, dot_q4<3, 1>, dot_q4<4, 1>},
-                {dot_q4<1, 1>, dot_q4<2, 1>, dot_q4<3, 1>, dot_q4<4, 1>}, dequantize_q4};
-const Format Q8{Q8_BYTES, {dot_q8<1, 4>, dot_q8<2, 2>, dot_q8<3, 1>, dot_q8<4, 1>},
-                {dot_q8<1, 1>, dot_q8<2, 1>, dot_q8<3, 1>, dot_q8<4, 1>}, dequantize_q8};
+const Format Q4{Q4_BYTES,
+                {dot_rows<Q4Block, 1, 4>, dot_rows<Q4Block, 2, 2>, dot_rows<Q4Block, 3, 1>, dot_rows<Q4Block, 4, 1>},
+                {dot_rows<Q4Block, 1, 1>, dot_rows<Q4Block, 2, 1>, dot_rows<Q4Block, 3, 1>, dot_rows<Q4Block, 4, 1>},
+                dequantize_q4};
+const Format Q8{Q8_BYTES,
+                {dot_rows<Q8Block, 1, 4>, dot_rows<Q8Block, 2, 2>, dot_rows<Q8Block, 3, 1>, dot_rows<Q8Block, 4, 1>},
+                {dot_rows<Q8Block, 1, 1>, dot_rows<Q8Block, 2, 1>, dot_rows<Q8Block, 3, 1>, dot_rows<Q8Block, 4, 1>},
+                dequantize_q8};
 
 // Few rows: quantize the activations and take integer dot products (reads each weight byte once).
 void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, float* op) {

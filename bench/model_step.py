@@ -21,7 +21,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--weights", default="f32", choices=list(WEIGHT_MODES))
+    ap.add_argument("--weights", default="auto", choices=["auto", *WEIGHT_MODES])
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")
     ap.add_argument("--prefill", type=int, default=512)
@@ -31,7 +31,7 @@ def main() -> None:
     c = model.config
     layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=model.dtype)
     vocab = c.vocab_size
-    results = {"model": args.model, "dtype": args.dtype, "weights": args.weights, "threads": torch.get_num_threads(),
+    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "threads": torch.get_num_threads(),
                "machine": platform.processor() or platform.machine(), "decode": {}}
 
     def forward(tokens, positions, rows):

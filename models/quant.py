@@ -4,6 +4,7 @@
     f16  float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
     q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
          multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
+         below 4 rows; from 4 rows on by fbgemm's fp16 GEMM on weights unpacked once, on first use
 Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and
 Q8_0 weights requantize to the same blocks, so q4 on such a file loses nothing over f32. (A q8 mode
 was measured and dropped: requantizing Q4_1 weights to Q8_0 rounds them again, and it flipped 40% of
@@ -28,16 +29,17 @@ WEIGHT_MODES = ("f32", "f16", "q4")
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp")]
 
 # fbgemm packs each weight once; packing is a pure function of the weight, so this is a memo that
-# nobody reads back as state: keyed by the weight's storage, alive as long as the process.
-_PACKED: dict[tuple[int, tuple[int, ...]], object] = {}
+# nobody reads back as state: keyed by the weight's storage, alive as long as the process. Each entry
+# holds its weight, so a freed weight's address cannot be reused by another while the memo knows it.
+_PACKED: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, object]] = {}
 
 
 def _packed(weight: torch.Tensor):
     key = (weight.data_ptr(), tuple(weight.shape))
-    packed = _PACKED.get(key)
-    if packed is None:
-        packed = _PACKED[key] = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
-    return packed
+    entry = _PACKED.get(key)
+    if entry is None:
+        entry = _PACKED[key] = (weight, torch.ops.quantized.linear_prepack_fp16(weight.float(), None))
+    return entry[1]
 
 
 @torch.library.custom_op("kvserve::linear_f16", mutates_args=())

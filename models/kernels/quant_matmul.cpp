@@ -10,7 +10,8 @@
 // Scales as arrays rather than inside each block let the kernels load and convert four at a time.
 // For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767: int8, as
 // llama.cpp uses, flipped greedy tokens too often) and each block's products are summed in int32 by
-// madd, then scaled in f32. From FLOAT_ROWS rows on, weight rows are dequantized into float32 tiles.
+// madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
+// once, kept beside the blocks) go through fbgemm's fp16 GEMM.
 // Batch-1 decode is bound by memory bandwidth, so reading 0.6 (Q4) or 1.06 (Q8) bytes per weight
 // instead of 4 is the lever; several activation rows share each weight block once it is loaded.
 #include <ATen/ATen.h>
@@ -19,6 +20,10 @@
 #include <immintrin.h>
 #include "simd.h"
 #include <cstring>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -28,14 +33,9 @@ constexpr int64_t Q4_BYTES = 20;
 constexpr int64_t Q8_BYTES = 34;
 constexpr int64_t MAX_ROWS = 4;   // activation rows sharing one weight-block load
 constexpr int64_t ROW_CHUNK = 32; // weight rows kept hot in L1/L2 while the activation rows stream
-constexpr int64_t DEQUANT_ROWS = 16;  // weight rows a thread dequantizes at once (36 KB at K=576)
-#ifndef SGEMM_ROWS
-#define SGEMM_ROWS 32  // from this many activation rows on, dequantize panels for sgemm
-#endif
-#ifndef FLOAT_ROWS
-#define FLOAT_ROWS 4  // from this many activation rows on, dequantized float32 tiles beat integer dot products
-#endif
-constexpr int64_t SGEMM_PANEL = 1024;  // weight rows per sgemm call
+// From this many activation rows on, fbgemm's packed fp16 GEMM (the f16 mode's kernel) beats the
+// integer dot products: measured 1.6x at 8 rows, 1.4x at 32 (bench/model_step.py, q4 against f16).
+constexpr int64_t FP16_ROWS = 4;
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -254,68 +254,32 @@ void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
   });
 }
 
-// dots of R activation rows and C dequantized weight rows (float32, K long): R*C accumulators, each
-// x and w vector loaded once per tile.
-template <int R, int C>
-inline void dot_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t ldo) {
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 8) {
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]);
+// fbgemm packs each weight once, on its first call with many rows. Packing is a pure function of the
+// weight, so this is a memo; each entry holds its weight tensor, so no freed weight's address can be
+// reused by another while the memo knows it.
+struct PackedMemo {
+  std::mutex lock;
+  std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>> entries;  // data ptr -> (weight, packed)
+};
+
+PackedMemo& packed_memo() {
+  static PackedMemo memo;
+  return memo;
 }
 
-using F32Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-constexpr int64_t TILE_ROWS = 4, TILE_COLS = 2;
-const F32Fn F32_TILES[TILE_ROWS][TILE_COLS] = {{dot_f32<1, 1>, dot_f32<1, 2>}, {dot_f32<2, 1>, dot_f32<2, 2>},
-                                               {dot_f32<3, 1>, dot_f32<3, 2>}, {dot_f32<4, 1>, dot_f32<4, 2>}};
-
-// Many rows: compute bound. Each thread dequantizes a chunk of weight rows into a float32 buffer that
-// stays in L2 and runs every activation row over it with a register-tiled float32 kernel: the
-// activations stay exact, and the dequantizing cost is shared by all M rows.
-void large_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, float* op) {
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, N, DEQUANT_ROWS, [&](int64_t begin, int64_t end) {
-    std::vector<float> panel(DEQUANT_ROWS * K);
-    for (int64_t n0 = begin; n0 < end; n0 += DEQUANT_ROWS) {
-      const int64_t n1 = std::min(end, n0 + DEQUANT_ROWS);
-      f.dequantize(wp, nb, n0, n1, panel.data());
-      for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
-        const int64_t rows = std::min(TILE_ROWS, M - m0);
-        for (int64_t n = n0; n < n1; n += TILE_COLS) {
-          const int64_t cols = std::min(TILE_COLS, n1 - n);
-          F32_TILES[rows - 1][cols - 1](xp + m0 * K, K, panel.data() + (n - n0) * K, K, op + m0 * N + n, N);
-        }
-      }
-    }
-  });
-}
-
-// Many rows and a wide K: sgemm's packed kernels beat the tiles above, so dequantize a panel of
-// weight rows (sized to stay in L2/L3) and hand it to at::mm.
-void sgemm_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, at::Tensor& out) {
-  const int64_t K = x.size(1), nb = K / QK;
-  at::Tensor panel = at::empty({std::min(N, SGEMM_PANEL), K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += SGEMM_PANEL) {
-    const int64_t rows = std::min(SGEMM_PANEL, N - n0);
-    float* pp = panel.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      f.dequantize(wp, nb, n0 + begin, n0 + end, pp + begin * K);
-    });
-    if (rows == N)
-      at::mm_out(out, x, panel.t());
-    else
-      out.narrow(1, n0, rows).copy_(at::mm(x, panel.narrow(0, 0, rows).t()));
-  }
+at::Tensor packed_f16(const at::Tensor& w, int64_t K, const Format& f) {
+  PackedMemo& memo = packed_memo();
+  std::lock_guard<std::mutex> guard(memo.lock);
+  auto it = memo.entries.find(w.data_ptr());
+  if (it != memo.entries.end()) return it->second.second;
+  const int64_t N = w.size(0), nb = K / QK;
+  at::Tensor dense = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  float* dp = dense.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { f.dequantize(wp, nb, begin, end, dp + begin * K); });
+  at::Tensor packed = at::fbgemm_pack_gemm_matrix_fp16(dense);
+  memo.entries.emplace(w.data_ptr(), std::make_pair(w, packed));
+  return packed;
 }
 
 at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
@@ -330,12 +294,9 @@ at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const F
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out.view(shape);
-  if (M >= SGEMM_ROWS)
-    sgemm_batch(x, w.data_ptr<uint8_t>(), N, f, out);
-  else if (M >= FLOAT_ROWS)
-    large_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
-  else
-    small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
+  if (M >= FP16_ROWS)  // compute bound: fbgemm's fp16 GEMM on the dequantized weights
+    return at::fbgemm_linear_fp16_weight_fp32_activation(x, packed_f16(w, K, f), std::nullopt).view(shape);
+  small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
   return out.view(shape);
 }
 

@@ -20,7 +20,7 @@ def test_block_formats_requantize_losslessly(fmt, quantize):
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 3, 5, 17, 40])  # integer path, float32 tiles, dequantized sgemm
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 40])  # integer dot products below 4 rows, fbgemm fp16 from 4
 def test_block_linear_matches_its_dequantized_weights(fmt, rows):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(576, 200, bias=True)
@@ -31,7 +31,8 @@ def test_block_linear_matches_its_dequantized_weights(fmt, rows):
         want = x @ weight.T + linear.bias
         got = fast(x)
     assert got.shape == (1, rows, 200)
-    assert float((got - want).norm() / want.norm()) < 1e-4
+    # int16 activations are near-exact; the fp16 GEMM rounds weights to 11 significant bits
+    assert float((got - want).norm() / want.norm()) < (1e-4 if rows < 4 else 1e-3)
 
 
 def test_block_linear_rejects_mismatched_weights():

@@ -11,9 +11,9 @@
 // For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767: int8, as
 // llama.cpp uses, flipped greedy tokens too often) and each block's products are summed in int32 by
 // madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
-// once, kept beside the blocks) go through fbgemm's fp16 GEMM.
-// Batch-1 decode is bound by memory bandwidth, so reading 0.6 (Q4) or 1.06 (Q8) bytes per weight
-// instead of 4 is the lever; several activation rows share each weight block once it is loaded.
+// once, on first use) go through fbgemm's fp16 GEMM.
+// At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, and integer dot products
+// that use few instructions per block, are the levers; activation rows share each weight block load.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,11 +31,11 @@ namespace {
 constexpr int64_t QK = 32;
 constexpr int64_t Q4_BYTES = 20;
 constexpr int64_t Q8_BYTES = 34;
-constexpr int64_t MAX_ROWS = 4;   // activation rows sharing one weight-block load
+constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block load (FP16_ROWS - 1)
 constexpr int64_t ROW_CHUNK = 32; // weight rows kept hot in L1/L2 while the activation rows stream
 // From this many activation rows on, fbgemm's packed fp16 GEMM (the f16 mode's kernel) beats the
 // integer dot products: measured 1.6x at 8 rows, 1.4x at 32 (bench/model_step.py, q4 against f16).
-constexpr int64_t FP16_ROWS = 4;
+constexpr int64_t FP16_ROWS = MAX_ROWS + 1;
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -217,19 +217,19 @@ using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
 
 struct Format {
   int64_t block_bytes;
-  DotFn wide[MAX_ROWS];  // R = 1..4 activation rows, over WIDE[R - 1] weight rows at once
-  DotFn narrow[MAX_ROWS];  // R = 1..4 activation rows, one weight row
+  DotFn wide[MAX_ROWS];  // R = 1..3 activation rows, over WIDE[R - 1] weight rows at once
+  DotFn narrow[MAX_ROWS];  // R = 1..3 activation rows, one weight row
   DequantFn dequantize;
 };
-constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1, 1};
+constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1};
 
 const Format Q4{Q4_BYTES,
-                {dot_rows<Q4Block, 1, 4>, dot_rows<Q4Block, 2, 2>, dot_rows<Q4Block, 3, 1>, dot_rows<Q4Block, 4, 1>},
-                {dot_rows<Q4Block, 1, 1>, dot_rows<Q4Block, 2, 1>, dot_rows<Q4Block, 3, 1>, dot_rows<Q4Block, 4, 1>},
+                {dot_rows<Q4Block, 1, 4>, dot_rows<Q4Block, 2, 2>, dot_rows<Q4Block, 3, 1>},
+                {dot_rows<Q4Block, 1, 1>, dot_rows<Q4Block, 2, 1>, dot_rows<Q4Block, 3, 1>},
                 dequantize_q4};
 const Format Q8{Q8_BYTES,
-                {dot_rows<Q8Block, 1, 4>, dot_rows<Q8Block, 2, 2>, dot_rows<Q8Block, 3, 1>, dot_rows<Q8Block, 4, 1>},
-                {dot_rows<Q8Block, 1, 1>, dot_rows<Q8Block, 2, 1>, dot_rows<Q8Block, 3, 1>, dot_rows<Q8Block, 4, 1>},
+                {dot_rows<Q8Block, 1, 4>, dot_rows<Q8Block, 2, 2>, dot_rows<Q8Block, 3, 1>},
+                {dot_rows<Q8Block, 1, 1>, dot_rows<Q8Block, 2, 1>, dot_rows<Q8Block, 3, 1>},
                 dequantize_q8};
 
 // Few rows: quantize the activations and take integer dot products (reads each weight byte once).

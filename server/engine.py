@@ -48,6 +48,7 @@ class Engine:
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)
+        self.runner.warm_up(layout)
         self.metrics = Metrics(model.name)
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True

@@ -1,13 +1,19 @@
 """Runs one StepBatch through the exported program and samples the next tokens."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from kvcache import CacheRegistry
+from kvcache import CacheConfig, CacheRegistry, SessionCache
 from models.export import LoadedModel
 
 from .batch import StepBatch
 from .sampling import Sampled, SampleRow, sample
+
+
+WARM_UP_TOKENS = 8  # rows enough for every matmul to take its batched path once
+WARM_UP_KEY = "kvserve-warm-up"
 
 
 class InjectedFault(RuntimeError):
@@ -20,6 +26,19 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, registry: CacheRegistry) -> None:
         self.model = model
         self.registry = registry
+
+    def warm_up(self, layout: CacheConfig) -> None:
+        """One throwaway forward before serving: batched kernels pack their weights on first use (about
+        a second of both cores for the default model), which no request should wait behind."""
+        n = min(WARM_UP_TOKENS, self.model.config.max_context)
+        self.registry.install(WARM_UP_KEY, SessionCache(dataclasses.replace(layout, capacity=n)))
+        try:
+            with self.registry.active([(WARM_UP_KEY, n)]), torch.inference_mode():
+                self.model.forward(
+                    torch.zeros(1, n, dtype=torch.long), torch.arange(n).unsqueeze(1), torch.arange(n)  # [1, n], [n, 1], [n]
+                )
+        finally:
+            self.registry.uninstall(WARM_UP_KEY)
 
     def run(self, batch: StepBatch, rows: list[SampleRow]) -> list[Sampled]:
         tokens = [t for c in batch.chunks for t in c.tokens]

@@ -67,7 +67,9 @@ def test_overload_gets_429_never_5xx_and_health_stays_fast(smollm):
     # at least the queue's worth succeed (all 200 may arrive before the first step admits anyone)
     assert codes.count(200) >= 16 and codes.count(429) > 0
     assert all(ra is not None for c, ra in results if c == 429)
-    assert not health.failures and health.worst < 1.0, (health.worst, health.failures[:3])
+    # the 200-request client, the server and this watcher share one process (one GIL) on 2 cores, so
+    # the bound is loose; a loop blocked behind a model step or a prefill would still break it
+    assert not health.failures and health.worst < 1.5, (health.worst, health.failures[:3])
 
 
 def test_disconnect_storm_frees_everything(smollm):

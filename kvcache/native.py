@@ -14,6 +14,12 @@ class NativeUnavailable(RuntimeError):
     """The CPU lacks AVX2 or the kernels could not be compiled here."""
 
 
+def cache_root() -> Path:
+    """The project's cache folder ($KVSERVE_CACHE, else ~/.cache/kvserve): built kernels here, fetched
+    models and exported artifacts (models.catalog) too."""
+    return Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve").expanduser()
+
+
 def cpu_has_avx2() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
@@ -31,8 +37,7 @@ def load_native(name: str, sources: list[Path]) -> None:
         raise NativeUnavailable(f"the {name} kernels need an AVX2 CPU; this one reports {torch.backends.cpu.get_cpu_capability()}")
     inputs = [*sources, *sorted(KERNEL_HEADERS.glob("*.h"))]
     digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in inputs) + torch.__version__.encode()).hexdigest()[:12]
-    root = Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve").expanduser()
-    build = root / "native" / f"{name}-{digest}"
+    build = cache_root() / "native" / f"{name}-{digest}"
     library = build / f"{name}.so"
     if str(library) in torch.ops.loaded_libraries:  # torch's own record; loading twice would register ops twice
         return

@@ -11,6 +11,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcache.native import cache_root
+
 from .errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -41,7 +43,7 @@ NAMED_MODELS = {
 
 def cache_dir() -> Path:
     """Where fetched models and exported artifacts live ($KVSERVE_CACHE, else ~/.cache/kvserve)."""
-    return Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache" / "kvserve").expanduser()
+    return cache_root()
 
 
 def sha256_of(path: Path) -> str:

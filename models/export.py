@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import json
+import operator
 import shutil
 import tempfile
 import warnings
@@ -105,8 +106,7 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
             graph.erase_node(node)
         elif node.op == "get_attr":
             flat = node.target.replace(".", "_")
-            value = module.get_submodule(node.target.rpartition(".")[0]) if "." in node.target else module
-            value = getattr(value, node.target.rpartition(".")[2])
+            value = operator.attrgetter(node.target)(module)
             if isinstance(value, torch.Tensor):
                 root.register_buffer(flat, value)
             else:

@@ -48,6 +48,5 @@ def use_native_modules(model: nn.Module) -> nn.Module:
     for name, child in list(model.named_modules()):
         native = _NATIVE.get(type(child))
         if native is not None and name:
-            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-            setattr(parent, name.rpartition(".")[2], native(child))
+            model.set_submodule(name, native(child))
     return model

@@ -108,10 +108,8 @@ def convert_linears(model: nn.Module, weights: str) -> nn.Module:
     for name, child in list(model.named_modules()):
         if not isinstance(child, nn.Linear):
             continue
-        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        leaf = name.rpartition(".")[2]
         if weights == "f16":
-            setattr(parent, leaf, LinearF16(child))
+            model.set_submodule(name, LinearF16(child))
         elif child.in_features % BLOCK == 0:  # rows must be whole blocks; others stay float32
-            setattr(parent, leaf, LinearBlocks(child, "q8" if leaf == "lm_head" else "q4"))
+            model.set_submodule(name, LinearBlocks(child, "q8" if name.split(".")[-1] == "lm_head" else "q4"))
     return model

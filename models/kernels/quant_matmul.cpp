@@ -32,7 +32,6 @@ constexpr int64_t QK = 32;
 constexpr int64_t Q4_BYTES = 20;
 constexpr int64_t Q8_BYTES = 34;
 constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block load (FP16_ROWS - 1)
-constexpr int64_t ROW_CHUNK = 32; // weight rows kept hot in L1/L2 while the activation rows stream
 // From this many activation rows on, fbgemm's packed fp16 GEMM (the f16 mode's kernel) beats the
 // integer dot products: measured 1.6x at 8 rows, 1.4x at 32 (bench/model_step.py, q4 against f16).
 constexpr int64_t FP16_ROWS = MAX_ROWS + 1;
@@ -113,7 +112,7 @@ inline __m256i block_dot(__m256i w0, __m256i w1, const int16_t* x) {
 }
 
 struct Q4Block {
-  static constexpr int64_t bytes = Q4_BYTES, quant_bytes = 16;
+  static constexpr int64_t quant_bytes = 16;
   static constexpr bool has_min = true;
   static inline void unpack(const uint8_t* q, __m256i& w0, __m256i& w1) {
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -124,7 +123,7 @@ struct Q4Block {
 };
 
 struct Q8Block {
-  static constexpr int64_t bytes = Q8_BYTES, quant_bytes = 32;
+  static constexpr int64_t quant_bytes = 32;
   static constexpr bool has_min = false;
   static inline void unpack(const uint8_t* q, __m256i& w0, __m256i& w1) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
@@ -232,25 +231,19 @@ const Format Q8{Q8_BYTES,
                 {dot_rows<Q8Block, 1, 1>, dot_rows<Q8Block, 2, 1>, dot_rows<Q8Block, 3, 1>},
                 dequantize_q8};
 
-// Few rows: quantize the activations and take integer dot products (reads each weight byte once).
+// Few rows (all of them in one tile): quantize the activations and take integer dot products, reading
+// each weight byte once.
 void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, float* op) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, row_bytes = nb * f.block_bytes;
   const QuantizedRows xq = quantize_rows(x);
   const int16_t* qp = xq.q.data_ptr<int16_t>();
   const float *dp = xq.d.data_ptr<float>(), *sp = xq.s.data_ptr<float>();
+  TORCH_INTERNAL_ASSERT(M >= 1 && M <= MAX_ROWS, "small_batch takes 1..", MAX_ROWS, " rows, got ", M);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += ROW_CHUNK) {
-      const int64_t n1 = std::min(end, n0 + ROW_CHUNK);
-      for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        const int64_t rows = std::min(MAX_ROWS, M - m0), wide = WIDE[rows - 1];
-        const int64_t xo = m0 * K, so = m0 * nb;
-        int64_t n = n0;
-        for (; n + wide <= n1; n += wide)
-          f.wide[rows - 1](wp + n * row_bytes, row_bytes, qp + xo, dp + so, sp + so, K, nb, op + m0 * N + n, N);
-        for (; n < n1; ++n)
-          f.narrow[rows - 1](wp + n * row_bytes, row_bytes, qp + xo, dp + so, sp + so, K, nb, op + m0 * N + n, N);
-      }
-    }
+    const int64_t wide = WIDE[M - 1];
+    int64_t n = begin;
+    for (; n + wide <= end; n += wide) f.wide[M - 1](wp + n * row_bytes, row_bytes, qp, dp, sp, K, nb, op + n, N);
+    for (; n < end; ++n) f.narrow[M - 1](wp + n * row_bytes, row_bytes, qp, dp, sp, K, nb, op + n, N);
   });
 }
 

@@ -8,17 +8,20 @@
 //   linear_q8(x [..., K] f32, w [N, K/32*34] u8) -> [..., N] f32
 //       a w row holds Q8_0 blocks as arrays: nb*32 int8, then nb fp16 scales d; w = d*q.
 // Scales as arrays rather than inside each block let the kernels load and convert four at a time.
-// For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767: int8, as
-// llama.cpp uses, flipped greedy tokens too often) and each block's products are summed in int32 by
+// For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767; int8, as
+// llama.cpp uses, was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up
+// projections alone) and each block's products are summed in int32 by
 // madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
 // once, on first use) go through fbgemm's fp16 GEMM.
-// At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, and integer dot products
-// that use few instructions per block, are the levers; activation rows share each weight block load.
+// At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, streaming them near the
+// read bandwidth (software prefetch), and integer dot products that use few instructions per block
+// are the levers; activation rows share each weight block load.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include "simd.h"
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -35,6 +38,7 @@ constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block lo
 // From this many activation rows on, fbgemm's packed fp16 GEMM (the f16 mode's kernel) beats the
 // integer dot products: measured 1.6x at 8 rows, 1.4x at 32 (bench/model_step.py, q4 against f16).
 constexpr int64_t FP16_ROWS = MAX_ROWS + 1;
+constexpr int64_t PREFETCH_SPANS = 2;  // how many row groups ahead dot_rows prefetches
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -60,7 +64,9 @@ inline float hsum128(__m128 s) {
 
 using kvserve_simd::hsum;
 
-// One block of 32 floats -> 32 int16 (round to nearest), its scale, and scale * sum(q).
+// Activations: each block of 32 floats becomes 32 int16 with one float scale d = amax/32767 (and
+// s = d * sum(q), which Q4_1's min term needs), stored as the 16 even elements then the 16 odd ones:
+// the order the weight unpackers produce with shifts inside 32-bit lanes, with no cross-lane shuffles.
 inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
@@ -74,14 +80,14 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
   m = _mm_max_ss(m, _mm_movehdup_ps(m));
   const float scale = _mm_cvtss_f32(m) / 32767.0f;
   const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
-  __m256i i[4];
-  for (int j = 0; j < 4; ++j) i[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
-  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-  // packs works within 128-bit lanes; the permute puts the 16 values of each half back in order
-  const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[0], i[1]), 0xD8);
-  const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(i[2], i[3]), 0xD8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), lo);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), hi);
+  alignas(32) int32_t all[QK];
+  __m256i total = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // round to nearest
+    total = _mm256_add_epi32(total, i);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(all + 8 * j), i);
+  }
+  for (int j = 0; j < 16; ++j) q[j] = (int16_t)all[2 * j], q[16 + j] = (int16_t)all[2 * j + 1];
   *d = scale;
   *s = scale * hsum(_mm256_cvtepi32_ps(total));
 }
@@ -92,8 +98,7 @@ struct QuantizedRows {
 
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  QuantizedRows r{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, nb}, x.options()),
-                  at::empty({M, nb}, x.options())};
+  QuantizedRows r{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options())};
   const float* xp = x.data_ptr<float>();
   int16_t* qp = r.q.data_ptr<int16_t>();
   float *dp = r.d.data_ptr<float>(), *sp = r.s.data_ptr<float>();
@@ -104,32 +109,36 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   return r;
 }
 
-// int32 partial sums [8] of one block of 16-bit weights w0 (elements 0-15), w1 (16-31) times activations x.
-inline __m256i block_dot(__m256i w0, __m256i w1, const int16_t* x) {
-  const __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
-  const __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)));
-  return _mm256_add_epi32(a, b);
-}
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// Weight block formats: unpack() reads one block once, as 16-bit even and odd elements; dot() gives
+// the int32 partial sums [8] of that block with one activation row's block.
+// Q4_1 block bytes: byte j = q[j] | q[j+16] << 4.
 struct Q4Block {
+  struct W { __m256i even, odd; };
   static constexpr int64_t quant_bytes = 16;
   static constexpr bool has_min = true;
-  static inline void unpack(const uint8_t* q, __m256i& w0, __m256i& w1) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    w0 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-    w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+  static inline W unpack(const uint8_t* q) {
+    // 16-bit word i holds q[2i], q[2i+16], q[2i+1], q[2i+17] as its nibbles 0..3
+    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m256i low = _mm256_set1_epi16(0x0F);
+    return {_mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low),
+            _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), low)};
+  }
+  static inline __m256i dot(const W& w, const int16_t* x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w.even, load256(x)), _mm256_madd_epi16(w.odd, load256(x + 16)));
   }
 };
 
 struct Q8Block {
+  using W = Q4Block::W;
   static constexpr int64_t quant_bytes = 32;
   static constexpr bool has_min = false;
-  static inline void unpack(const uint8_t* q, __m256i& w0, __m256i& w1) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
-    w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(raw));
-    w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(raw, 1));
+  static inline W unpack(const uint8_t* q) {
+    const __m256i raw = load256(q);
+    return {_mm256_srai_epi16(_mm256_slli_epi16(raw, 8), 8), _mm256_srai_epi16(raw, 8)};  // sign-extended bytes
   }
+  static inline __m256i dot(const W& w, const int16_t* x) { return Q4Block::dot(w, x); }
 };
 
 // out[r * ldo + c] = dot(weight row c, activation row r) for C weight rows (row_bytes apart) and R
@@ -142,19 +151,23 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, const int16_t* xq, con
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = _mm_setzero_ps();
   const int64_t scales_at = nb * B::quant_bytes, mins_at = scales_at + 2 * nb;
+  // These C rows are one contiguous span; while reading it, prefetch the span PREFETCH_SPANS ahead,
+  // spread over the loop (the hardware prefetcher alone reached about half of the read bandwidth).
+  // Past the weight's end a prefetch is only wasted, never a fault.
+  const int64_t span = C * row_bytes, per_step = (span / std::max<int64_t>(nb / 4, 1) + 63) / 64 * 64;
+  const char* ahead = reinterpret_cast<const char*>(w) + PREFETCH_SPANS * span;
   int64_t b = 0;
   for (; b + 4 <= nb; b += 4) {
+    for (int64_t at = b / 4 * per_step; at < std::min(span, (b / 4 + 1) * per_step); at += 64)
+      _mm_prefetch(ahead + at, _MM_HINT_T0);
     for (int c = 0; c < C; ++c) {
       const uint8_t* row = w + c * row_bytes;
       const __m128 dw = four_halves(row + scales_at + 2 * b);
-      // the hardware prefetcher falls behind four interleaved row streams; fetch 16 blocks ahead
-      for (int64_t line = 0; line < 4 * B::quant_bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(row + (b + 16) * B::quant_bytes + line), _MM_HINT_T0);
-      __m256i w0[4], w1[4];
-      for (int j = 0; j < 4; ++j) B::unpack(row + (b + j) * B::quant_bytes, w0[j], w1[j]);
+      typename B::W wb[4];
+      for (int j = 0; j < 4; ++j) wb[j] = B::unpack(row + (b + j) * B::quant_bytes);
       for (int r = 0; r < R; ++r) {
         __m256i p[4];
-        for (int j = 0; j < 4; ++j) p[j] = block_dot(w0[j], w1[j], xq + r * K + (b + j) * QK);
+        for (int j = 0; j < 4; ++j) p[j] = B::dot(wb[j], xq + r * K + (b + j) * QK);
         const __m128 scale = _mm_mul_ps(dw, _mm_loadu_ps(xd + r * nb + b));
         acc[r][c] = _mm256_fmadd_ps(four_block_sums(p), _mm256_set_m128(scale, scale), acc[r][c]);
         if (B::has_min)
@@ -166,10 +179,9 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, const int16_t* xq, con
     for (int c = 0; c < C; ++c) {
       const uint8_t* row = w + c * row_bytes;
       const float dw = half_at(row + scales_at + 2 * b);
-      __m256i w0, w1;
-      B::unpack(row + b * B::quant_bytes, w0, w1);
+      const typename B::W wb = B::unpack(row + b * B::quant_bytes);
       for (int r = 0; r < R; ++r) {
-        const __m256 p = _mm256_cvtepi32_ps(block_dot(w0, w1, xq + r * K + b * QK));
+        const __m256 p = _mm256_cvtepi32_ps(B::dot(wb, xq + r * K + b * QK));
         acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r][c]);
         if (B::has_min)
           mins[r][c] = _mm_add_ss(mins[r][c], _mm_set_ss(half_at(row + mins_at + 2 * b) * xs[r * nb + b]));
@@ -222,14 +234,15 @@ struct Format {
 };
 constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1};
 
-const Format Q4{Q4_BYTES,
-                {dot_rows<Q4Block, 1, 4>, dot_rows<Q4Block, 2, 2>, dot_rows<Q4Block, 3, 1>},
-                {dot_rows<Q4Block, 1, 1>, dot_rows<Q4Block, 2, 1>, dot_rows<Q4Block, 3, 1>},
-                dequantize_q4};
-const Format Q8{Q8_BYTES,
-                {dot_rows<Q8Block, 1, 4>, dot_rows<Q8Block, 2, 2>, dot_rows<Q8Block, 3, 1>},
-                {dot_rows<Q8Block, 1, 1>, dot_rows<Q8Block, 2, 1>, dot_rows<Q8Block, 3, 1>},
-                dequantize_q8};
+template <class B>
+constexpr Format format(int64_t block_bytes, DequantFn dequantize) {
+  return {block_bytes,
+          {dot_rows<B, 1, 4>, dot_rows<B, 2, 2>, dot_rows<B, 3, 1>},
+          {dot_rows<B, 1, 1>, dot_rows<B, 2, 1>, dot_rows<B, 3, 1>}, dequantize};
+}
+
+const Format Q4 = format<Q4Block>(Q4_BYTES, dequantize_q4);
+const Format Q8 = format<Q8Block>(Q8_BYTES, dequantize_q8);
 
 // Few rows (all of them in one tile): quantize the activations and take integer dot products, reading
 // each weight byte once.

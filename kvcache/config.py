@@ -45,8 +45,8 @@ class CacheConfig:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * elem
+        # the scheduler asks this for every session of every step: no tensor allocation here
+        return self.n_layers * self.n_kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
     def bytes_for(self, tokens: int) -> int:
         return tokens * self.bytes_per_token()

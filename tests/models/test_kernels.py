@@ -3,9 +3,11 @@ import pytest
 import torch
 
 from models.block_quant import dequantize, quantize_q4, quantize_q8
-from models.fused import NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
-from models.llama import QKVRotary, RMSNorm, SwiGLU
-from models.quant import LinearBlocks, model_kernels_available
+from kvcache import REGISTRY, CacheConfig, SessionCache
+from models.config import ModelConfig
+from models.fused import NativeBlock, NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
+from models.llama import Block, QKVRotary, RMSNorm, SwiGLU
+from models.quant import LinearBlocks, convert_linears, model_kernels_available
 
 pytestmark = pytest.mark.skipif(not model_kernels_available(), reason="no AVX2 CPU or compiler here")
 
@@ -55,3 +57,31 @@ def test_fused_modules_match_the_model_math():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     gate_up = torch.randn(1, 7, 2 * 1536) * 4
     torch.testing.assert_close(NativeSwiGLU()(gate_up), SwiGLU()(gate_up), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 6])  # the integer kernels, then fbgemm
+def test_native_block_matches_the_block_it_replaces(qkv_bias, rows):
+    torch.manual_seed(rows)
+    config = ModelConfig(architecture="llama", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+                         vocab_size=64, rope_theta=10000.0, qkv_bias=qkv_bias, max_context=64)
+    block = convert_linears(Block(config, 0), "q4").eval()
+    for norm in (block.input_layernorm, block.post_attention_layernorm):
+        norm.weight.data.normal_()
+    native = NativeBlock(block)
+    assert NativeBlock.fits(block)
+    x = torch.randn(1, rows, 128)
+    positions = torch.arange(3, 3 + rows).unsqueeze(1)  # [rows, 1], continuing a 3-token history
+    angles = positions.float() * torch.rand(16)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    history = torch.randn(1, 3, 128)  # the same 3-token history in both caches
+    outs = []
+    for name, module in (("block", block), ("native", native)):
+        key = f"native-block-{name}"
+        REGISTRY.install(key, SessionCache(CacheConfig(1, 2, 32, capacity=16)))
+        REGISTRY.set_active(key)
+        with torch.no_grad():
+            module(history, torch.arange(3).unsqueeze(1), cos[:1].expand(3, -1), sin[:1].expand(3, -1))
+            outs.append(module(x, positions, cos, sin))
+        REGISTRY.uninstall(key)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)

@@ -1,6 +1,6 @@
 """Latency of one model step: decode at batch 1/8/32/64 sessions, and a 512-token prefill. Prints JSON.
 
-    python bench/model_step.py [--model smollm2-135m-instruct] [--context 128] [--repeats 10]
+    python bench/model_step.py [--model smollm2-135m-instruct] [--weights auto] [--kv-dtype auto] [--context 128] [--repeats 10]
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
 from models.quant import WEIGHT_MODES
+from server.config import KV_DTYPES, EngineConfig
+from server.engine import kv_dtype
 
 
 def main() -> None:
@@ -22,6 +24,7 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", default="auto", choices=["auto", *WEIGHT_MODES])
+    ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="as kvserve serve --kv-dtype")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")
     ap.add_argument("--prefill", type=int, default=512)
@@ -29,9 +32,10 @@ def main() -> None:
     args = ap.parse_args()
     model = load_model(args.model, args.dtype, weights=args.weights)
     c = model.config
-    layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=model.dtype)
+    kv = kv_dtype(EngineConfig(kv_dtype=args.kv_dtype), model)
+    layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=kv)
     vocab = c.vocab_size
-    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "threads": torch.get_num_threads(),
+    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "kv_dtype": str(kv).removeprefix("torch."), "threads": torch.get_num_threads(),
                "machine": platform.processor() or platform.machine(), "decode": {}}
 
     def forward(tokens, positions, rows):

@@ -9,6 +9,7 @@ from .session_cache import SessionCache
 
 
 NATIVE_MAX_SPAN = 16  # longer spans (prefill chunks) go to SDPA, whose tiled kernel wins at length
+NATIVE_DTYPES = (torch.float32, torch.float16)  # cache dtypes kvcache_native::attend_spans reads
 
 
 class ActiveStep:
@@ -54,9 +55,11 @@ class ActiveStep:
         self.sizes = sizes
         self.offsets = _starts(sizes)
         # Spans the C++ kernel takes (storage is final now that every reserve has run); the rest use SDPA.
+        # The kernel reads float32 or float16 caches, one dtype a call: the first short span's.
+        native_dtype = next((c.config.dtype for c, _ in self.spans if c.config.dtype in NATIVE_DTYPES), None)
         self.short = [
             i for i, ((cache, _), n) in enumerate(zip(self.spans, sizes))
-            if self.native and n <= NATIVE_MAX_SPAN and cache.config.dtype == torch.float32
+            if self.native and n <= NATIVE_MAX_SPAN and cache.config.dtype == native_dtype
         ]
         self.long = sorted(set(range(len(sizes))) - set(self.short))
         storage = [self.spans[i][0].storage() for i in self.short]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvcache import Sizing
 
-from .config import EngineConfig, ServerConfig, parse_bytes
+from .config import KV_DTYPES, EngineConfig, ServerConfig, parse_bytes
 
 log = logging.getLogger("kvserve")
 
@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per step (chunked prefill)")
     p.add_argument("--max-running", type=int, default=d.max_running, help="sessions per step")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
+                   help="KV cache element type; auto: float16 with f16/q4 weights (half the memory and reads), else the model's dtype")
 
 
 def _engine_config(args) -> EngineConfig:
@@ -45,6 +47,7 @@ def _engine_config(args) -> EngineConfig:
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
         max_queued=args.max_queued,
+        kv_dtype=args.kv_dtype,
     )
 
 

@@ -20,6 +20,9 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+KV_DTYPES = ("auto", "float32", "float16")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Capacity and batching limits of one engine."""
@@ -34,12 +37,15 @@ class EngineConfig:
     max_stop_strings: int = 16
     max_prompt_tokens: int = 32768
     max_sessions: int = 4096  # persistent sessions, resident or evicted
+    kv_dtype: str = "auto"  # float32, float16, or auto: float16 beside non-f32 weights, else the model's dtype
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         object.__setattr__(self, "session_sizing", Sizing(self.session_sizing))
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
 
 @dataclass(frozen=True)

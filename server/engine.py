@@ -11,6 +11,8 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from kvcache import REGISTRY, CacheConfig, CacheRegistry, Sizing
 from models.export import LoadedModel
 
@@ -42,7 +44,7 @@ class Engine:
     def __init__(self, model: LoadedModel, config: EngineConfig, registry: CacheRegistry = REGISTRY) -> None:
         c = model.config
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
-        layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=model.dtype)
+        layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=kv_dtype(config, model))
         self.pool = KVPool(registry, config.kv_budget, layout)
         self.sessions = SessionStore(config.max_sessions)
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
@@ -226,6 +228,14 @@ class Engine:
         self.metrics.kv_usage.set(used / self.pool.budget)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
+
+
+def kv_dtype(config: EngineConfig, model: LoadedModel) -> torch.dtype:
+    """float16 KV beside approximate weights halves KV memory and the bytes attention reads; the exact
+    f32 mode keeps the model's dtype, so its outputs stay those of the reference."""
+    if config.kv_dtype == "auto":
+        return torch.float16 if model.weights != "f32" else model.dtype
+    return getattr(torch, config.kv_dtype)
 
 
 def _with_max_tokens(params: SamplingParams, n: int) -> SamplingParams:

@@ -9,10 +9,10 @@ from kvcache.step import NATIVE_MAX_SPAN, ActiveStep
 LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 2, 6, 64
 
 
-def make_caches(histories, sizing):
+def make_caches(histories, sizing, dtype=torch.float32):
     caches = []
     for i, n in enumerate(histories):
-        c = SessionCache(CacheConfig(LAYERS, KV_HEADS, DIM, capacity=128, sizing=sizing), key=f"s{i}")
+        c = SessionCache(CacheConfig(LAYERS, KV_HEADS, DIM, capacity=128, sizing=sizing, dtype=dtype), key=f"s{i}")
         c.reserve(n)
         for layer in range(LAYERS):
             c.write(layer, torch.randn(KV_HEADS, n, DIM), torch.randn(KV_HEADS, n, DIM))
@@ -39,14 +39,15 @@ def run(caches, sizes, native, q, k, v):
     return [step.attend(q[layer], k[layer], v[layer], position, layer, DIM**-0.5, torch.float32) for layer in range(LAYERS)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the served q4/f16 modes' KV
 @pytest.mark.parametrize("sizing", [Sizing.STATIC, Sizing.DYNAMIC])
 @pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, NATIVE_MAX_SPAN + 4, 1], [5]])
-def test_native_matches_sdpa_and_writes_the_same_history(sizing, sizes):
+def test_native_matches_sdpa_and_writes_the_same_history(dtype, sizing, sizes):
     torch.manual_seed(0)
     if not CacheRegistry().native_attention():
         pytest.skip("no AVX2 CPU or compiler here")
     histories = [7, 0, 33, 12][: len(sizes)]
-    exact = make_caches(histories, sizing)
+    exact = make_caches(histories, sizing, dtype)
     fast = clone(exact)
     s = sum(sizes)
     # [L, 1, H, S, D] views of [L, 1, S, H, D] storage: strided, as the plain-torch model hands them over

@@ -6,6 +6,8 @@ import torch
 
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
+from server.config import EngineConfig
+from server.engine import kv_dtype
 
 PROMPTS = [
     "The capital of France is",
@@ -26,14 +28,16 @@ TEXT = (
 
 
 def greedy_batch(model, prompts, n_tokens):
-    """Greedy continuations of all prompts, decoded together in one step per token."""
+    """Greedy continuations of all prompts, decoded together in one step per token, with the KV dtype
+    the server gives this model (float16 beside approximate weights)."""
     c, tok = model.config, model.tokenizer
+    dtype = kv_dtype(EngineConfig(), model)
     keys = [f"fidelity-{model.weights}-{i}" for i in range(len(prompts))]
     ids = [tok.encode(p) for p in prompts]
     last = []
     with torch.inference_mode():
         for key, p in zip(keys, ids):
-            REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, 256)))
+            REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, 256, dtype=dtype)))
             REGISTRY.set_active(key)
             last.append(int(model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]))[0].argmax()))
         outs = [[t] for t in last]
@@ -52,7 +56,8 @@ def perplexity(model, text):
     c = model.config
     ids = model.tokenizer.encode(text)
     key = f"ppl-{model.weights}"
-    REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, len(ids))))
+    dtype = kv_dtype(EngineConfig(), model)
+    REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, len(ids), dtype=dtype)))
     REGISTRY.set_active(key)
     with torch.inference_mode():
         logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1))

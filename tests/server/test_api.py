@@ -7,11 +7,16 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from huggingface_hub import InferenceClient
 
 from kvcache import REGISTRY
+from models import DEFAULT_MODEL, load_model
+from models.catalog import DEFAULT_WEIGHTS
+from models.loader import resolve_weights
 
-from ..live_server import metric
+from ..live_server import LiveServer, metric
+from ..models.test_fidelity import greedy_alone
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -230,3 +235,22 @@ def test_tokenize_detokenize_health_metrics(smollm_server):
                  "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
                  "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total", "kvserve:step_num_sessions_bucket"):
         assert name in text, name
+
+
+def test_default_weights_server_streams_the_fast_models_greedy_tokens():
+    """The served default (q4 weights where the kernels build, float16 KV beside them) over HTTP gives
+    the tokens of the same model decoding alone in process."""
+    fast = load_model(DEFAULT_MODEL, weights=resolve_weights(DEFAULT_WEIGHTS))
+    want = greedy_alone(fast, "The three laws of thermodynamics state that", 24)
+    with LiveServer(fast) as server:
+        if fast.weights != "f32":
+            assert server.engine.pool.layout.dtype == torch.float16
+        body = {"inputs": "The three laws of thermodynamics state that",
+                "parameters": {"max_new_tokens": 24, "details": True, "stop": []}, "stream": True}
+        ids = []
+        with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    ids.append(json.loads(line[5:])["token"]["id"])
+    assert ids == want

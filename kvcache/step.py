@@ -30,7 +30,7 @@ class ActiveStep:
             raise CacheError("a session may own only one span of a step")
         self.spans = spans
         self.n_layers = n_layers.pop()
-        self.native = native  # kvcache_native::attend_spans is loaded: short float32 spans skip the Python loop
+        self.native = native  # kvcache_native::attend_spans is loaded: short float32/float16 spans skip the Python loop
         self._next_layer: int | None = None  # None: no forward in progress
 
     def _begin(self, position: torch.Tensor, n_tokens: int) -> None:

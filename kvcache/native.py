@@ -8,6 +8,10 @@ from pathlib import Path
 import torch
 
 AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+# at::parallel_for is a header template: without OpenMP at compile time it runs every range on the
+# calling thread. Linking -fopenmp binds libgomp.so.1, the copy torch already loaded, so the kernels
+# share torch's thread pool.
+OPENMP_FLAGS = ["-fopenmp"]
 
 
 class NativeUnavailable(RuntimeError):
@@ -36,7 +40,8 @@ def load_native(name: str, sources: list[Path]) -> None:
     if not cpu_has_avx2():
         raise NativeUnavailable(f"the {name} kernels need an AVX2 CPU; this one reports {torch.backends.cpu.get_cpu_capability()}")
     inputs = [*sources, *sorted(KERNEL_HEADERS.glob("*.h"))]
-    digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in inputs) + torch.__version__.encode()).hexdigest()[:12]
+    flags = [*AVX2_FLAGS, *OPENMP_FLAGS]
+    digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in inputs) + f"{torch.__version__}|{flags}".encode()).hexdigest()[:12]
     build = cache_root() / "native" / f"{name}-{digest}"
     library = build / f"{name}.so"
     if str(library) in torch.ops.loaded_libraries:  # torch's own record; loading twice would register ops twice
@@ -46,8 +51,8 @@ def load_native(name: str, sources: list[Path]) -> None:
 
         build.mkdir(parents=True, exist_ok=True)
         try:
-            load(name, [str(s) for s in sources], extra_cflags=AVX2_FLAGS, extra_include_paths=[str(KERNEL_HEADERS)],
-                 build_directory=str(build), is_python_module=False)
+            load(name, [str(s) for s in sources], extra_cflags=flags, extra_ldflags=OPENMP_FLAGS,
+                 extra_include_paths=[str(KERNEL_HEADERS)], build_directory=str(build), is_python_module=False)
         except Exception as e:  # a missing compiler, ninja or header surfaces as many exception types
             raise NativeUnavailable(f"could not build the {name} kernels: {type(e).__name__}: {str(e)[-2000:]}") from None
     else:

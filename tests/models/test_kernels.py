@@ -85,3 +85,14 @@ def test_native_block_matches_the_block_it_replaces(qkv_bias, rows):
             outs.append(module(x, positions, cos, sin))
         REGISTRY.uninstall(key)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+
+
+def test_kernels_are_built_with_openmp():
+    # at::parallel_for compiled without OpenMP quietly runs every range on one thread (a 2-core
+    # machine then decodes ~25% slower); with it, the kernels import libgomp's parallel entry point.
+    REGISTRY.native_attention()
+    libraries = [p for p in torch.ops.loaded_libraries if "kvserve_models" in p or "kvcache_attend" in p]
+    assert len(libraries) == 2, libraries
+    for path in libraries:
+        with open(path, "rb") as f:
+            assert b"GOMP_parallel" in f.read(), f"{path} was built without -fopenmp"

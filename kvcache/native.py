@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c"]
+AVX2_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c")
 # at::parallel_for is a header template: without OpenMP at compile time it runs every range on the
 # calling thread. Linking -fopenmp binds libgomp.so.1, the copy torch already loaded, so the kernels
 # share torch's thread pool.
-OPENMP_FLAGS = ["-fopenmp"]
+OPENMP_FLAGS = ("-fopenmp",)
 
 
 class NativeUnavailable(RuntimeError):
@@ -47,11 +47,11 @@ def load_native(name: str, sources: list[Path]) -> None:
     if str(library) in torch.ops.loaded_libraries:  # torch's own record; loading twice would register ops twice
         return
     if not library.is_file():
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import load  # it appends to the flag lists it is given: pass fresh ones
 
         build.mkdir(parents=True, exist_ok=True)
         try:
-            load(name, [str(s) for s in sources], extra_cflags=flags, extra_ldflags=OPENMP_FLAGS,
+            load(name, [str(s) for s in sources], extra_cflags=flags, extra_ldflags=list(OPENMP_FLAGS),
                  extra_include_paths=[str(KERNEL_HEADERS)], build_directory=str(build), is_python_module=False)
         except Exception as e:  # a missing compiler, ninja or header surfaces as many exception types
             raise NativeUnavailable(f"could not build the {name} kernels: {type(e).__name__}: {str(e)[-2000:]}") from None

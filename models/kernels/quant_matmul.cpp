@@ -12,7 +12,7 @@
 // llama.cpp uses, was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up
 // projections alone) and each block's products are summed in int32 by
 // madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
-// once, on first use) go through fbgemm's fp16 GEMM.
+// once, on first use, in one column slice per thread) go through fbgemm's fp16 GEMM.
 // At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, streaming them near the
 // read bandwidth (software prefetch), and integer dot products that use few instructions per block
 // are the levers; activation rows share each weight block load.
@@ -260,12 +260,19 @@ void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
   });
 }
 
-// fbgemm packs each weight once, on its first call with many rows. Packing is a pure function of the
-// weight, so this is a memo; each entry holds its weight tensor, so no freed weight's address can be
-// reused by another while the memo knows it.
+// fbgemm packs each weight once, on its first call with many rows, in column slices: its fp16 GEMM
+// runs on the calling thread only, so each thread of the parallel_for below takes one slice of the
+// output features. Packing is a pure function of the weight, so this is a memo; each entry holds its
+// weight tensor, so no freed weight's address can be reused by another while the memo knows it.
+struct PackedSlices {
+  at::Tensor weight;
+  std::vector<int64_t> starts;  // slice i packs weight rows starts[i] .. starts[i + 1]
+  std::vector<at::Tensor> packed;
+};
+
 struct PackedMemo {
   std::mutex lock;
-  std::unordered_map<const void*, std::pair<at::Tensor, at::Tensor>> entries;  // data ptr -> (weight, packed)
+  std::unordered_map<const void*, PackedSlices> entries;  // weight data ptr -> its packed slices
 };
 
 PackedMemo& packed_memo() {
@@ -273,19 +280,35 @@ PackedMemo& packed_memo() {
   return memo;
 }
 
-at::Tensor packed_f16(const at::Tensor& w, int64_t K, const Format& f) {
+const PackedSlices& packed_f16(const at::Tensor& w, int64_t K, const Format& f) {
   PackedMemo& memo = packed_memo();
   std::lock_guard<std::mutex> guard(memo.lock);
   auto it = memo.entries.find(w.data_ptr());
-  if (it != memo.entries.end()) return it->second.second;
-  const int64_t N = w.size(0), nb = K / QK;
+  if (it != memo.entries.end()) return it->second;
+  const int64_t N = w.size(0), nb = K / QK, n_slices = std::min<int64_t>(std::max(at::get_num_threads(), 1), (N + 63) / 64);
   at::Tensor dense = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
   float* dp = dense.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { f.dequantize(wp, nb, begin, end, dp + begin * K); });
-  at::Tensor packed = at::fbgemm_pack_gemm_matrix_fp16(dense);
-  memo.entries.emplace(w.data_ptr(), std::make_pair(w, packed));
-  return packed;
+  PackedSlices slices{w, {}, {}};
+  for (int64_t i = 0; i <= n_slices; ++i) slices.starts.push_back(i == n_slices ? N : N * i / n_slices / 8 * 8);
+  for (int64_t i = 0; i < n_slices; ++i)
+    slices.packed.push_back(at::fbgemm_pack_gemm_matrix_fp16(dense.slice(0, slices.starts[i], slices.starts[i + 1])));
+  return memo.entries.emplace(w.data_ptr(), std::move(slices)).first->second;
+}
+
+// x [M, K] by every packed slice, one slice a thread -> out [M, N]. The slices land by memcpy: worker
+// threads do not inherit the caller's inference mode, so an ATen in-place copy there would be refused.
+void fp16_gemm(const at::Tensor& x, const PackedSlices& w, float* out) {
+  const int64_t M = x.size(0), N = w.starts.back(), n_slices = w.packed.size();
+  at::parallel_for(0, n_slices, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const at::Tensor part = at::fbgemm_linear_fp16_weight_fp32_activation(x, w.packed[i], std::nullopt);  // [M, width]
+      const int64_t width = w.starts[i + 1] - w.starts[i];
+      const float* src = part.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + w.starts[i], src + m * width, width * sizeof(float));
+    }
+  });
 }
 
 at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
@@ -300,8 +323,10 @@ at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const F
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out.view(shape);
-  if (M >= FP16_ROWS)  // compute bound: fbgemm's fp16 GEMM on the dequantized weights
-    return at::fbgemm_linear_fp16_weight_fp32_activation(x, packed_f16(w, K, f), std::nullopt).view(shape);
+  if (M >= FP16_ROWS) {  // compute bound: fbgemm's fp16 GEMM on the dequantized weights
+    fp16_gemm(x, packed_f16(w, K, f), out.data_ptr<float>());
+    return out.view(shape);
+  }
   small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
   return out.view(shape);
 }

@@ -86,10 +86,12 @@ def cmd_generate(args) -> int:
     from models.loader import load_model
 
     from .engine import Engine
+    from .model_thread import model_thread
     from .sampling import SamplingParams
     from .sequence import Finished
 
-    model = load_model(args.model, args.dtype, progress=True, weights=args.weights)
+    worker = model_thread()
+    model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights).result()
     tok = model.tokenizer
     chat = not args.raw and tok.meta.chat_template is not None
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special=False) if chat else tok.encode(args.prompt)
@@ -97,7 +99,7 @@ def cmd_generate(args) -> int:
                             seed=args.seed, stop=tuple(args.stop))
 
     async def run() -> int:
-        engine = Engine(model, _engine_config(args))
+        engine = Engine(model, _engine_config(args), worker=worker)
         engine.start()
         session = engine.create_session(None, None, None, persistent=False)
         req = engine.submit(session, prompt, params, resend=False)
@@ -121,11 +123,13 @@ def cmd_serve(args) -> int:
 
     from .app import create_app
     from .engine import Engine
+    from .model_thread import model_thread
 
     start = time.time()
-    model = load_model(args.model, args.dtype, progress=True, weights=args.weights)
+    worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own
+    model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights).result()
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
-    engine = Engine(model, _engine_config(args))
+    engine = Engine(model, _engine_config(args), worker=worker)
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
     app = create_app(engine, server_config, frozenset(args.api_key or ()), args.fault_injection)
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,

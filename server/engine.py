@@ -20,6 +20,7 @@ from .config import EngineConfig
 from .errors import InvalidRequest, ShuttingDown
 from .kv_pool import KVPool
 from .metrics import Metrics
+from .model_thread import keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -41,7 +42,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class Engine:
     """Continuous-batching engine over one exported model."""
 
-    def __init__(self, model: LoadedModel, config: EngineConfig, registry: CacheRegistry = REGISTRY) -> None:
+    def __init__(self, model: LoadedModel, config: EngineConfig, registry: CacheRegistry = REGISTRY,
+                 worker: ThreadPoolExecutor | None = None) -> None:
         c = model.config
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
         layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=kv_dtype(config, model))
@@ -50,16 +52,18 @@ class Engine:
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)
-        self.runner.warm_up(layout)
+        # the model thread (server.model_thread), best the one that loaded the model: torch's threads stay with it
+        self._worker = worker or model_thread()
+        self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-model")
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        keep_torch_serial()  # the event loop's torch work stays off the model thread's cores
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvserve-engine")
 
     async def drain(self, timeout: float) -> bool:

@@ -12,10 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+# Read at import, before any thread calls keep_torch_serial (which sets its own count to 1).
+TORCH_THREADS = torch.get_num_threads()
+
 
 def model_thread(threads: int | None = None) -> ThreadPoolExecutor:
-    """A one-thread executor whose thread runs torch with `threads` threads (default: torch's count now)."""
-    threads = threads or torch.get_num_threads()
+    """A one-thread executor whose thread runs torch with `threads` threads (default: torch's own count)."""
+    threads = threads or TORCH_THREADS
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-model", initializer=torch.set_num_threads,
                               initargs=(threads,))
 
@@ -23,8 +26,9 @@ def model_thread(threads: int | None = None) -> ThreadPoolExecutor:
 def keep_torch_serial() -> None:
     """Make torch calls from this thread run on it alone, so they never start a thread team.
 
-    The probe first fixes this thread's OpenMP setting (torch does that lazily, from the process-wide
-    count, which the model thread sets), so the later set_num_threads(1) stays this thread's own.
+    Reading the count first makes torch settle this thread's OpenMP setting now (it does so lazily, on
+    a thread's first query, from the process-wide count, which the model thread sets), so the
+    set_num_threads(1) after it stays this thread's own.
     """
-    torch.zeros(1).add_(1)
+    torch.get_num_threads()
     torch.set_num_threads(1)

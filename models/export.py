@@ -145,9 +145,9 @@ def load_artifact(folder: Path) -> LoadedModel:
     meta = json.loads((folder / "kvserve.json").read_text())
     if meta.get("format") != ARTIFACT_FORMAT:
         raise ModelLoadError(f"{folder}: artifact format {meta.get('format')} is not {ARTIFACT_FORMAT}; export again")
-    # The program may call kvserve_native ops (q4/q8 always do), which must exist before it is read.
+    # The program may call kvserve_native ops (q4 always does), which must exist before it is read.
     kernels = meta.get("weights", "f32") != "f32" and model_kernels_available()
-    if meta.get("weights") in ("q4", "q8") and not kernels:
+    if meta.get("weights") == "q4" and not kernels:
         raise ModelLoadError(f"{folder}: a {meta['weights']} artifact needs the C++/AVX2 kernels, which are unavailable here")
     if (folder / MODULE_FILE).is_file():
         with warnings.catch_warnings():  # torch warns about pickled TreeSpecs; the file is our own cache

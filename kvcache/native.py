@@ -39,7 +39,8 @@ def load_native(name: str, sources: list[Path]) -> None:
     """
     if not cpu_has_avx2():
         raise NativeUnavailable(f"the {name} kernels need an AVX2 CPU; this one reports {torch.backends.cpu.get_cpu_capability()}")
-    inputs = [*sources, *sorted(KERNEL_HEADERS.glob("*.h"))]
+    headers = {h for folder in {KERNEL_HEADERS, *(Path(s).parent for s in sources)} for h in Path(folder).glob("*.h")}
+    inputs = [*sources, *sorted(headers)]
     flags = [*AVX2_FLAGS, *OPENMP_FLAGS]
     digest = hashlib.sha256(b"".join(Path(s).read_bytes() for s in inputs) + f"{torch.__version__}|{flags}".encode()).hexdigest()[:12]
     build = cache_root() / "native" / f"{name}-{digest}"

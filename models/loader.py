@@ -65,7 +65,7 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
             h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
     h.update(f"{dtype}|{weights}".encode())
     code = Path(__file__).parent
-    for source in sorted(code.glob("*.py")) + sorted(code.glob("kernels/*.cpp")):
+    for source in sorted(code.glob("*.py")) + sorted(code.glob("kernels/*.cpp")) + sorted(code.glob("kernels/*.h")):
         h.update(source.read_bytes())
     h.update(str(export_mod.ARTIFACT_FORMAT).encode())
     return h.hexdigest()[:24]

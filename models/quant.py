@@ -26,7 +26,7 @@ from .block_quant import BLOCK, quantize_q4, quantize_q8
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
-_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp")]
+_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fp16_gemm.cpp", "fused.cpp", "block.cpp")]
 
 # fbgemm packs each weight once; packing is a pure function of the weight, so this is a memo that
 # nobody reads back as state: keyed by the weight's storage, alive as long as the process. Each entry

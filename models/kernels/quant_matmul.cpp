@@ -12,7 +12,7 @@
 // llama.cpp uses, was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up
 // projections alone) and each block's products are summed in int32 by
 // madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
-// once, on first use, in one column slice per thread) go through fbgemm's fp16 GEMM.
+// once, on first use, in one column slice per thread: fp16_gemm.cpp) go through fbgemm's fp16 GEMM.
 // At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, streaming them near the
 // read bandwidth (software prefetch), and integer dot products that use few instructions per block
 // are the levers; activation rows share each weight block load.
@@ -21,30 +21,24 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include "simd.h"
+#include "quant_blocks.h"
 #include <algorithm>
 #include <cstring>
-#include <mutex>
-#include <optional>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace {
 
-constexpr int64_t QK = 32;
-constexpr int64_t Q4_BYTES = 20;
-constexpr int64_t Q8_BYTES = 34;
+using kvserve_quant::Blocks;
+using kvserve_quant::half_at;
+using kvserve_quant::Q4_BYTES;
+using kvserve_quant::Q8_BYTES;
+using kvserve_quant::QK;
 constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block load (FP16_ROWS - 1)
 // From this many activation rows on, fbgemm's packed fp16 GEMM (the f16 mode's kernel) beats the
 // integer dot products: measured 1.6x at 8 rows, 1.4x at 32 (bench/model_step.py, q4 against f16).
 constexpr int64_t FP16_ROWS = MAX_ROWS + 1;
 constexpr int64_t PREFETCH_SPANS = 2;  // how many row groups ahead dot_rows prefetches
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 inline __m128 four_halves(const uint8_t* p) {
   return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -192,57 +186,25 @@ inline void dot_rows(const uint8_t* w, int64_t row_bytes, const int16_t* xq, con
     for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) + hsum128(mins[r][c]);
 }
 
-// Weight rows [n0, n1) -> float32 [n1 - n0, K].
-void dequantize_q4(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* out) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * nb * Q4_BYTES;
-    for (int64_t b = 0; b < nb; ++b, out += QK) {
-      const __m256 d = _mm256_set1_ps(half_at(row + nb * 16 + 2 * b)), m = _mm256_set1_ps(half_at(row + nb * 18 + 2 * b));
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 16));
-      const __m128i halves[2] = {_mm_and_si128(raw, low), _mm_and_si128(_mm_srli_epi16(raw, 4), low)};
-      for (int h = 0; h < 2; ++h) {
-        const __m256i a = _mm256_cvtepu8_epi32(halves[h]), bq = _mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8));
-        _mm256_storeu_ps(out + 16 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), d, m));
-        _mm256_storeu_ps(out + 16 * h + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(bq), d, m));
-      }
-    }
-  }
-}
-
-void dequantize_q8(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* out) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * nb * Q8_BYTES;
-    for (int64_t b = 0; b < nb; ++b, out += QK) {
-      const __m256 d = _mm256_set1_ps(half_at(row + nb * 32 + 2 * b));
-      for (int i = 0; i < 4; ++i) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * 32 + 8 * i));
-        _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
-      }
-    }
-  }
-}
-
 using DotFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
-using DequantFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, float*);
 
 struct Format {
+  Blocks blocks;
   int64_t block_bytes;
   DotFn wide[MAX_ROWS];  // R = 1..3 activation rows, over WIDE[R - 1] weight rows at once
   DotFn narrow[MAX_ROWS];  // R = 1..3 activation rows, one weight row
-  DequantFn dequantize;
 };
 constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1};
 
 template <class B>
-constexpr Format format(int64_t block_bytes, DequantFn dequantize) {
-  return {block_bytes,
+constexpr Format format(Blocks blocks, int64_t block_bytes) {
+  return {blocks, block_bytes,
           {dot_rows<B, 1, 4>, dot_rows<B, 2, 2>, dot_rows<B, 3, 1>},
-          {dot_rows<B, 1, 1>, dot_rows<B, 2, 1>, dot_rows<B, 3, 1>}, dequantize};
+          {dot_rows<B, 1, 1>, dot_rows<B, 2, 1>, dot_rows<B, 3, 1>}};
 }
 
-const Format Q4 = format<Q4Block>(Q4_BYTES, dequantize_q4);
-const Format Q8 = format<Q8Block>(Q8_BYTES, dequantize_q8);
+const Format Q4 = format<Q4Block>(Blocks::Q4_1, Q4_BYTES);
+const Format Q8 = format<Q8Block>(Blocks::Q8_0, Q8_BYTES);
 
 // Few rows (all of them in one tile): quantize the activations and take integer dot products, reading
 // each weight byte once.
@@ -260,57 +222,6 @@ void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
   });
 }
 
-// fbgemm packs each weight once, on its first call with many rows, in column slices: its fp16 GEMM
-// runs on the calling thread only, so each thread of the parallel_for below takes one slice of the
-// output features. Packing is a pure function of the weight, so this is a memo; each entry holds its
-// weight tensor, so no freed weight's address can be reused by another while the memo knows it.
-struct PackedSlices {
-  at::Tensor weight;
-  std::vector<int64_t> starts;  // slice i packs weight rows starts[i] .. starts[i + 1]
-  std::vector<at::Tensor> packed;
-};
-
-struct PackedMemo {
-  std::mutex lock;
-  std::unordered_map<const void*, PackedSlices> entries;  // weight data ptr -> its packed slices
-};
-
-PackedMemo& packed_memo() {
-  static PackedMemo memo;
-  return memo;
-}
-
-const PackedSlices& packed_f16(const at::Tensor& w, int64_t K, const Format& f) {
-  PackedMemo& memo = packed_memo();
-  std::lock_guard<std::mutex> guard(memo.lock);
-  auto it = memo.entries.find(w.data_ptr());
-  if (it != memo.entries.end()) return it->second;
-  const int64_t N = w.size(0), nb = K / QK, n_slices = std::min<int64_t>(std::max(at::get_num_threads(), 1), (N + 63) / 64);
-  at::Tensor dense = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
-  float* dp = dense.data_ptr<float>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { f.dequantize(wp, nb, begin, end, dp + begin * K); });
-  PackedSlices slices{w, {}, {}};
-  for (int64_t i = 0; i <= n_slices; ++i) slices.starts.push_back(i == n_slices ? N : N * i / n_slices / 8 * 8);
-  for (int64_t i = 0; i < n_slices; ++i)
-    slices.packed.push_back(at::fbgemm_pack_gemm_matrix_fp16(dense.slice(0, slices.starts[i], slices.starts[i + 1])));
-  return memo.entries.emplace(w.data_ptr(), std::move(slices)).first->second;
-}
-
-// x [M, K] by every packed slice, one slice a thread -> out [M, N]. The slices land by memcpy: worker
-// threads do not inherit the caller's inference mode, so an ATen in-place copy there would be refused.
-void fp16_gemm(const at::Tensor& x, const PackedSlices& w, float* out) {
-  const int64_t M = x.size(0), N = w.starts.back(), n_slices = w.packed.size();
-  at::parallel_for(0, n_slices, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const at::Tensor part = at::fbgemm_linear_fp16_weight_fp32_activation(x, w.packed[i], std::nullopt);  // [M, width]
-      const int64_t width = w.starts[i + 1] - w.starts[i];
-      const float* src = part.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * N + w.starts[i], src + m * width, width * sizeof(float));
-    }
-  });
-}
-
 at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
   TORCH_CHECK(x_in.dim() >= 1, "x must be [..., K]");
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kByte, "w must be [N, K/32 * block bytes] uint8");
@@ -324,7 +235,7 @@ at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const F
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out.view(shape);
   if (M >= FP16_ROWS) {  // compute bound: fbgemm's fp16 GEMM on the dequantized weights
-    fp16_gemm(x, packed_f16(w, K, f), out.data_ptr<float>());
+    kvserve_quant::fp16_linear(x, w, f.blocks, out.data_ptr<float>());
     return out.view(shape);
   }
   small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());

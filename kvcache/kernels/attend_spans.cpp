@@ -26,58 +26,85 @@ using Half = c10::Half;
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// One query over `visible` keys/values (of element type T) of one head; NV = head_dim / 8, q and the
-// output stay in registers.
-template <int NV, class T>
-void attend_one(const float* q, const T* keys, const T* values, int64_t visible, float scale, float* out,
-                std::vector<float>& scores) {
+// G query heads of one KV head, one query each, over `visible` keys/values (element type T); NV =
+// head_dim / 8. Each key and value vector is loaded (and widened, for float16) once for all G heads:
+// widening costs about as much as the multiply-adds it feeds.
+template <int NV, int G, class T>
+void attend_group(const float* const* q, const T* keys, const T* values, int64_t visible, float scale, float* const* out,
+                  std::vector<float>& scores) {
   constexpr int D = NV * 8;
-  __m256 qv[NV];
-  for (int i = 0; i < NV; ++i) qv[i] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * i), _mm256_set1_ps(scale));
-  scores.resize((visible + 7) / 8 * 8);
-  // Scores 8 keys at a time: 8 partial vectors reduce to one vector of 8 sums by a hadd tree, which
-  // costs ~1 op a key where a horizontal sum per key costs ~6.
-  __m256 top8 = _mm256_set1_ps(-INFINITY);
+  const int64_t stride = (visible + 7) / 8 * 8;
+  alignas(32) float qs[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < NV; ++i) _mm256_store_ps(qs[g] + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(q[g] + 8 * i), _mm256_set1_ps(scale)));
+  scores.resize(G * stride);
+  float* sc[G];
+  for (int g = 0; g < G; ++g) sc[g] = scores.data() + g * stride;
+  // Scores 4 keys at a time: G x 4 accumulators, each reduced to its sum by a hadd tree.
   int64_t t = 0;
-  for (; t + 8 <= visible; t += 8) {
-    __m256 part[8];
-    for (int j = 0; j < 8; ++j) {
-      const T* kt = keys + (t + j) * D;
-      part[j] = _mm256_mul_ps(qv[0], load8(kt));
-      for (int i = 1; i < NV; ++i) part[j] = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), part[j]);
+  for (; t + 4 <= visible; t += 4) {
+    __m256 part[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) part[g][j] = _mm256_setzero_ps();
+    for (int i = 0; i < NV; ++i)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 k = load8(keys + (t + j) * D + 8 * i);
+        for (int g = 0; g < G; ++g) part[g][j] = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), k, part[g][j]);
+      }
+    for (int g = 0; g < G; ++g) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(part[g][0], part[g][1]), _mm256_hadd_ps(part[g][2], part[g][3]));
+      _mm_storeu_ps(sc[g] + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));  // keys t..t+3
     }
-    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(part[0], part[1]), _mm256_hadd_ps(part[2], part[3]));
-    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(part[4], part[5]), _mm256_hadd_ps(part[6], part[7]));
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-    _mm256_storeu_ps(&scores[t], sums);
-    top8 = _mm256_max_ps(top8, sums);
   }
-  float lanes[8];
-  _mm256_storeu_ps(lanes, top8);
-  float top = -INFINITY;
-  for (float l : lanes) top = std::max(top, l);
-  for (; t < visible; ++t) {
-    const T* kt = keys + t * D;
-    __m256 a = _mm256_mul_ps(qv[0], load8(kt));
-    for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(qv[i], load8(kt + 8 * i), a);
-    top = std::max(top, scores[t] = hsum(a));
+  for (; t < visible; ++t)
+    for (int g = 0; g < G; ++g) {
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs[g]), load8(keys + t * D));
+      for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), load8(keys + t * D + 8 * i), a);
+      sc[g][t] = hsum(a);
+    }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    for (int64_t u = visible; u < stride; ++u) sc[g][u] = -INFINITY;
+    __m256 top8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t u = 0; u < stride; u += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc[g] + u));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const __m256 top = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))));
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t u = 0; u < stride; u += 8) {
+      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + u), top));
+      _mm256_storeu_ps(sc[g] + u, p);
+      total = _mm256_add_ps(total, p);
+    }
+    inv[g] = 1.0f / hsum(total);
   }
-  for (int64_t t = visible; t < (int64_t)scores.size(); ++t) scores[t] = -INFINITY;
-  __m256 total = _mm256_setzero_ps();
-  for (int64_t t = 0; t < (int64_t)scores.size(); t += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(&scores[t]), _mm256_set1_ps(top)));
-    _mm256_storeu_ps(&scores[t], p);
-    total = _mm256_add_ps(total, p);
+  // Values in quarters of the head dim (4 vectors), so G x 4 accumulators stay in registers.
+  for (int quarter = 0; quarter < NV / 4; ++quarter) {
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t u = 0; u < visible; ++u) {
+      __m256 p[G];
+      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(sc[g] + u);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 v = load8(values + u * D + 8 * (4 * quarter + i));
+        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(p[g], v, acc[g][i]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i)
+        _mm256_storeu_ps(out[g] + 8 * (4 * quarter + i), _mm256_mul_ps(acc[g][i], _mm256_set1_ps(inv[g])));
   }
-  __m256 acc[NV];
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < visible; ++t) {
-    const __m256 p = _mm256_set1_ps(scores[t]);
-    const T* vt = values + t * D;
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vt + 8 * i), acc[i]);
-  }
-  const __m256 inv = _mm256_set1_ps(1.0f / hsum(total));
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(out + 8 * i, _mm256_mul_ps(acc[i], inv));
+}
+
+// The query heads [h0, h1) of one KV head, in groups of up to 3 (the registers' limit), for one token.
+template <int NV, class T>
+void attend_heads(const float* const* q, const T* keys, const T* values, int64_t visible, float scale, float* const* out,
+                  int64_t n, std::vector<float>& scores) {
+  int64_t g = 0;
+  for (; g + 3 <= n; g += 3) attend_group<NV, 3>(q + g, keys, values, visible, scale, out + g, scores);
+  if (n - g == 2) attend_group<NV, 2>(q + g, keys, values, visible, scale, out + g, scores);
+  if (n - g == 1) attend_group<NV, 1>(q + g, keys, values, visible, scale, out + g, scores);
 }
 
 // Any head dims: the same math, scalar.
@@ -124,22 +151,28 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
       store_rows(kc[i] + (h * alloc[i] + at_slot) * D, kp + (h * S + at_token) * D, rows * D);
       store_rows(vc[i] + (h * alloc[i] + at_slot) * Dv, vp + (h * S + at_token) * Dv, rows * Dv);
     }
-  at::parallel_for(0, n_spans * Hq, 1, [&](int64_t begin, int64_t end) {
+  // One job per (span, KV head): its query heads share each history row as it is read.
+  at::parallel_for(0, n_spans * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<const float*> qs(group);
+    std::vector<float*> os(group);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / Hq, h = job % Hq, hk = h / group;
+      const int64_t i = job / Hkv, hk = job % Hkv;
       const T* keys = kc[i] + hk * alloc[i] * D;
       const T* values = vc[i] + hk * alloc[i] * Dv;
       for (int64_t j = 0; j < sizes[i]; ++j) {
         const int64_t token = offsets[i] + j, visible = lengths[i] + j + 1;
-        const float* qv = qp + (h * S + token) * D;
-        float* o = op + (h * S + token) * Dv;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = hk * group + g;
+          qs[g] = qp + (h * S + token) * D;
+          os[g] = op + (h * S + token) * Dv;
+        }
         if (D == 64 && Dv == 64)
-          attend_one<8>(qv, keys, values, visible, scale, o, scores);
+          attend_heads<8>(qs.data(), keys, values, visible, scale, os.data(), group, scores);
         else if (D == 128 && Dv == 128)
-          attend_one<16>(qv, keys, values, visible, scale, o, scores);
+          attend_heads<16>(qs.data(), keys, values, visible, scale, os.data(), group, scores);
         else
-          attend_one_any(qv, keys, values, visible, scale, D, Dv, o, scores);
+          for (int64_t g = 0; g < group; ++g) attend_one_any(qs[g], keys, values, visible, scale, D, Dv, os[g], scores);
       }
     }
   });

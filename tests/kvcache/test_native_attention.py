@@ -9,13 +9,13 @@ from kvcache.step import NATIVE_MAX_SPAN, ActiveStep
 LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 2, 6, 64
 
 
-def make_caches(histories, sizing, dtype=torch.float32):
+def make_caches(histories, sizing, dtype=torch.float32, kv_heads=KV_HEADS, dim=DIM):
     caches = []
     for i, n in enumerate(histories):
-        c = SessionCache(CacheConfig(LAYERS, KV_HEADS, DIM, capacity=128, sizing=sizing, dtype=dtype), key=f"s{i}")
+        c = SessionCache(CacheConfig(LAYERS, kv_heads, dim, capacity=128, sizing=sizing, dtype=dtype), key=f"s{i}")
         c.reserve(n)
         for layer in range(LAYERS):
-            c.write(layer, torch.randn(KV_HEADS, n, DIM), torch.randn(KV_HEADS, n, DIM))
+            c.write(layer, torch.randn(kv_heads, n, dim), torch.randn(kv_heads, n, dim))
         c.commit(n)
         caches.append(c)
     return caches
@@ -36,7 +36,8 @@ def clone(caches):
 def run(caches, sizes, native, q, k, v):
     step = ActiveStep(list(zip(caches, sizes)), native=native)
     position = torch.cat([torch.arange(c.length, c.length + n) for c, n in zip(caches, sizes)]).unsqueeze(1)
-    return [step.attend(q[layer], k[layer], v[layer], position, layer, DIM**-0.5, torch.float32) for layer in range(LAYERS)]
+    scale = q.shape[-1] ** -0.5
+    return [step.attend(q[layer], k[layer], v[layer], position, layer, scale, torch.float32) for layer in range(LAYERS)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the served q4/f16 modes' KV
@@ -61,3 +62,22 @@ def test_native_matches_sdpa_and_writes_the_same_history(dtype, sizing, sizes):
         for layer in range(LAYERS):
             for x, y in zip(a.history(layer), b.history(layer)):
                 assert torch.equal(x, y)
+
+
+# The kernel takes the query heads of a KV head in groups of three (2 + 1 or 3 + 1 left over), and
+# has vector paths for head dims 64 and 128 and a scalar one for the rest.
+@pytest.mark.parametrize("kv_heads,q_heads,dim", [(1, 4, 64), (2, 4, 128), (1, 5, 64), (2, 2, 64), (2, 6, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_native_matches_sdpa_for_other_head_layouts(kv_heads, q_heads, dim, dtype):
+    torch.manual_seed(1)
+    if not CacheRegistry().native_attention():
+        pytest.skip("no AVX2 CPU or compiler here")
+    sizes, histories = [1, 2, 1], [9, 30, 0]
+    exact = make_caches(histories, Sizing.STATIC, dtype, kv_heads, dim)
+    fast = clone(exact)
+    s = sum(sizes)
+    q, k, v = (torch.randn(LAYERS, 1, h, s, dim) for h in (q_heads, kv_heads, kv_heads))
+    want = run(exact, sizes, False, q, k, v)
+    got = run(fast, sizes, True, q, k, v)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)

@@ -52,7 +52,7 @@ class Engine:
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)
-        # the model thread (server.model_thread), best the one that loaded the model: torch's threads stay with it
+        # warm-up and every step run here; given the executor that loaded the model, torch keeps one thread team
         self._worker = worker or model_thread()
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)

@@ -20,6 +20,7 @@
 namespace {
 
 using kvserve_simd::exp8;
+using kvserve_simd::hmax;
 using kvserve_simd::hsum;
 using Half = c10::Half;
 
@@ -67,9 +68,7 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
     for (int64_t u = visible; u < stride; ++u) sc[g][u] = -INFINITY;
     __m256 top8 = _mm256_set1_ps(-INFINITY);
     for (int64_t u = 0; u < stride; u += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc[g] + u));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const __m256 top = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))));
+    const __m256 top = _mm256_set1_ps(hmax(top8));
     __m256 total = _mm256_setzero_ps();
     for (int64_t u = 0; u < stride; u += 8) {
       const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + u), top));
@@ -97,7 +96,7 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
   }
 }
 
-// The query heads [h0, h1) of one KV head, in groups of up to 3 (the registers' limit), for one token.
+// The n query heads of one KV head, in groups of up to 3 (the registers' limit), for one token.
 template <int NV, class T>
 void attend_heads(const float* const* q, const T* keys, const T* values, int64_t visible, float scale, float* const* out,
                   int64_t n, std::vector<float>& scores) {

@@ -50,13 +50,9 @@ inline __m256 four_block_sums(const __m256i p[4]) {
   return _mm256_cvtepi32_ps(_mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3])));
 }
 
-inline float hsum128(__m128 s) {
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
+using kvserve_simd::hmax;
 using kvserve_simd::hsum;
+using kvserve_simd::hsum128;
 
 // Activations: each block of 32 floats becomes 32 int16 with one float scale d = amax/32767 (and
 // s = d * sum(q), which Q4_1's min term needs), stored as the 16 even elements then the 16 odd ones:
@@ -69,10 +65,7 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
   }
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  m = _mm_max_ss(m, _mm_movehdup_ps(m));
-  const float scale = _mm_cvtss_f32(m) / 32767.0f;
+  const float scale = hmax(amax) / 32767.0f;
   const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
   alignas(32) int32_t all[QK];
   __m256i total = _mm256_setzero_si256();

@@ -40,6 +40,16 @@ def run(caches, sizes, native, q, k, v):
     return [step.attend(q[layer], k[layer], v[layer], position, layer, scale, torch.float32) for layer in range(LAYERS)]
 
 
+def assert_native_matches_sdpa(exact, sizes, q, k, v):
+    """Attend over a clone of `exact` natively and over `exact` by SDPA; the outputs agree. -> the clone."""
+    fast = clone(exact)
+    want = run(exact, sizes, False, q, k, v)
+    got = run(fast, sizes, True, q, k, v)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    return fast
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the served q4/f16 modes' KV
 @pytest.mark.parametrize("sizing", [Sizing.STATIC, Sizing.DYNAMIC])
 @pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, NATIVE_MAX_SPAN + 4, 1], [5]])
@@ -49,14 +59,10 @@ def test_native_matches_sdpa_and_writes_the_same_history(dtype, sizing, sizes):
         pytest.skip("no AVX2 CPU or compiler here")
     histories = [7, 0, 33, 12][: len(sizes)]
     exact = make_caches(histories, sizing, dtype)
-    fast = clone(exact)
     s = sum(sizes)
     # [L, 1, H, S, D] views of [L, 1, S, H, D] storage: strided, as the plain-torch model hands them over
     q, k, v = (torch.randn(LAYERS, 1, s, h, DIM).transpose(2, 3) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
-    want = run(exact, sizes, False, q, k, v)
-    got = run(fast, sizes, True, q, k, v)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    fast = assert_native_matches_sdpa(exact, sizes, q, k, v)
     for a, b in zip(exact, fast):
         assert a.length == b.length
         for layer in range(LAYERS):
@@ -74,10 +80,6 @@ def test_native_matches_sdpa_for_other_head_layouts(kv_heads, q_heads, dim, dtyp
         pytest.skip("no AVX2 CPU or compiler here")
     sizes, histories = [1, 2, 1], [9, 30, 0]
     exact = make_caches(histories, Sizing.STATIC, dtype, kv_heads, dim)
-    fast = clone(exact)
     s = sum(sizes)
     q, k, v = (torch.randn(LAYERS, 1, h, s, dim) for h in (q_heads, kv_heads, kv_heads))
-    want = run(exact, sizes, False, q, k, v)
-    got = run(fast, sizes, True, q, k, v)
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+    assert_native_matches_sdpa(exact, sizes, q, k, v)

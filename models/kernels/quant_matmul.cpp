@@ -54,9 +54,8 @@ using kvserve_simd::hmax;
 using kvserve_simd::hsum;
 using kvserve_simd::hsum128;
 
-// Activations: each block of 32 floats becomes 32 int16 with one float scale d = amax/32767 (and
-// s = d * sum(q), which Q4_1's min term needs), stored as the 16 even elements then the 16 odd ones:
-// the order the weight unpackers produce with shifts inside 32-bit lanes, with no cross-lane shuffles.
+// Activations: each block of 32 floats becomes 32 int16 in order, with one float scale d = amax/32767
+// (and s = d * sum(q), which Q4_1's min term needs).
 inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
@@ -67,14 +66,14 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
   }
   const float scale = hmax(amax) / 32767.0f;
   const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
-  alignas(32) int32_t all[QK];
   __m256i total = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
-    const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // round to nearest
-    total = _mm256_add_epi32(total, i);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(all + 8 * j), i);
+  for (int j = 0; j < 4; j += 2) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));  // round to nearest
+    total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
+    // packs interleaves 128-bit lanes (a0 b0 a1 b1); the permute restores a0 a1 b0 b1
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), packed);
   }
-  for (int j = 0; j < 16; ++j) q[j] = (int16_t)all[2 * j], q[16 + j] = (int16_t)all[2 * j + 1];
   *d = scale;
   *s = scale * hsum(_mm256_cvtepi32_ps(total));
 }
@@ -98,22 +97,20 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Weight block formats: unpack() reads one block once, as 16-bit even and odd elements; dot() gives
-// the int32 partial sums [8] of that block with one activation row's block.
+// Weight block formats: unpack() reads one block once, widened to 16 bits in order (weights 0..15,
+// 16..31) by extending loads; dot() gives the int32 partial sums [8] of that block with one
+// activation row's block.
 // Q4_1 block bytes: byte j = q[j] | q[j+16] << 4.
 struct Q4Block {
-  struct W { __m256i even, odd; };
+  struct W { __m256i lo, hi; };
   static constexpr int64_t quant_bytes = 16;
   static constexpr bool has_min = true;
   static inline W unpack(const uint8_t* q) {
-    // 16-bit word i holds q[2i], q[2i+16], q[2i+1], q[2i+17] as its nibbles 0..3
-    const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-    const __m256i low = _mm256_set1_epi16(0x0F);
-    return {_mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low),
-            _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), low)};
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));  // word j = byte j
+    return {_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), _mm256_srli_epi16(bytes, 4)};
   }
   static inline __m256i dot(const W& w, const int16_t* x) {
-    return _mm256_add_epi32(_mm256_madd_epi16(w.even, load256(x)), _mm256_madd_epi16(w.odd, load256(x + 16)));
+    return _mm256_add_epi32(_mm256_madd_epi16(w.lo, load256(x)), _mm256_madd_epi16(w.hi, load256(x + 16)));
   }
 };
 
@@ -122,8 +119,8 @@ struct Q8Block {
   static constexpr int64_t quant_bytes = 32;
   static constexpr bool has_min = false;
   static inline W unpack(const uint8_t* q) {
-    const __m256i raw = load256(q);
-    return {_mm256_srai_epi16(_mm256_slli_epi16(raw, 8), 8), _mm256_srai_epi16(raw, 8)};  // sign-extended bytes
+    return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))};
   }
   static inline __m256i dot(const W& w, const int16_t* x) { return Q4Block::dot(w, x); }
 };

@@ -68,11 +68,19 @@ async def events(http: HttpRequest, req: Request, watch_disconnect: bool) -> Asy
     getter: asyncio.Task | None = None
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
+        # A streaming response learns of a gone client from its own send, so it awaits the queue
+        # directly: no task and asyncio.wait per token on the event loop, which competes with the
+        # model thread for the GIL.
+        while not watch_disconnect:
+            event = await req.events.get()
+            yield event
+            if isinstance(event, Finished):
+                return
         while True:
             getter = getter or asyncio.ensure_future(req.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S if watch_disconnect else None)
+            done, _ = await asyncio.wait({getter}, timeout=DISCONNECT_POLL_S)
             # events may arrive faster than the poll interval, so look at the clock, not at timeouts
-            if watch_disconnect and time.monotonic() >= next_check:
+            if time.monotonic() >= next_check:
                 next_check = time.monotonic() + DISCONNECT_POLL_S
                 if await http.is_disconnected():
                     return

@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include "simd.h"
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -23,6 +24,7 @@ using kvserve_simd::exp8;
 using kvserve_simd::hmax;
 using kvserve_simd::hsum;
 using Half = c10::Half;
+constexpr int64_t PREFETCH_ROWS = 16;  // history rows (keys) fetched ahead of the one being scored
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -44,6 +46,11 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
   // Scores 4 keys at a time: G x 4 accumulators, each reduced to its sum by a hadd tree.
   int64_t t = 0;
   for (; t + 4 <= visible; t += 4) {
+    // History rows are cold: fetch keys PREFETCH_ROWS ahead, and these rows' values for the second pass.
+    for (int j = 0; j < 4 * D * (int)sizeof(T); j += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(keys + (t + PREFETCH_ROWS) * D) + j, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(values + t * D) + j, _MM_HINT_T0);
+    }
     __m256 part[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) part[g][j] = _mm256_setzero_ps();
@@ -159,6 +166,12 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
       const int64_t i = job / Hkv, hk = job % Hkv;
       const T* keys = kc[i] + hk * alloc[i] * D;
       const T* values = vc[i] + hk * alloc[i] * Dv;
+      if (job + 1 < end) {  // each job's history lies elsewhere in memory: start the next one's first keys now
+        const int64_t i2 = (job + 1) / Hkv, h2 = (job + 1) % Hkv;
+        const char* next = reinterpret_cast<const char*>(kc[i2] + h2 * alloc[i2] * D);
+        for (int64_t b = 0; b < std::min<int64_t>(lengths[i2] + 1, PREFETCH_ROWS) * D * (int64_t)sizeof(T); b += 64)
+          _mm_prefetch(next + b, _MM_HINT_T0);
+      }
       for (int64_t j = 0; j < sizes[i]; ++j) {
         const int64_t token = offsets[i] + j, visible = lengths[i] + j + 1;
         for (int64_t g = 0; g < group; ++g) {

@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .errors import InvalidRequest, ShuttingDown
 from .kv_pool import KVPool
 from .metrics import Metrics
-from .model_thread import keep_torch_serial, model_thread
+from .model_thread import keep_torch_serial, model_thread, submit_started
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -184,7 +184,6 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             batch = self.scheduler.schedule()
             self._update_gauges()
@@ -198,7 +197,7 @@ class Engine:
                 continue
             rows = [self.scheduler.by_id[c.request_id].sample_row() for c in batch.chunks if c.sample]
             try:
-                sampled = await loop.run_in_executor(self._worker, self.runner.run, batch, rows)
+                sampled = await asyncio.wrap_future(submit_started(self._worker, self.runner.run, batch, rows))
             except Exception as e:  # one bad step fails its requests, never the server
                 log.exception("step failed")
                 self.scheduler.fail_step(batch, e)

@@ -42,7 +42,7 @@ def submit_started(worker: ThreadPoolExecutor, fn, *args) -> Future:
 
     Submitting and returning to the event loop left the model thread waiting for the GIL while the
     loop ran the stream handlers the previous step had woken: 0.28-0.38 ms from submit to the step's
-    start, 0.15-0.17 ms with this wait (one stream, medians of 525 steps, alternating runs).
+    start, 0.10-0.17 ms with this wait (one stream, medians of 525 steps, alternating runs).
     """
     started = threading.Event()
 

@@ -158,19 +158,19 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
       store_rows(vc[i] + (h * alloc[i] + at_slot) * Dv, vp + (h * S + at_token) * Dv, rows * Dv);
     }
   // One job per (span, KV head): its query heads share each history row as it is read.
+  const auto keys_of = [&](int64_t job) { return kc[job / Hkv] + job % Hkv * alloc[job / Hkv] * D; };
   at::parallel_for(0, n_spans * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> qs(group);
     std::vector<float*> os(group);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / Hkv, hk = job % Hkv;
-      const T* keys = kc[i] + hk * alloc[i] * D;
+      const T* keys = keys_of(job);
       const T* values = vc[i] + hk * alloc[i] * Dv;
       if (job + 1 < end) {  // each job's history lies elsewhere in memory: start the next one's first keys now
-        const int64_t i2 = (job + 1) / Hkv, h2 = (job + 1) % Hkv;
-        const char* next = reinterpret_cast<const char*>(kc[i2] + h2 * alloc[i2] * D);
-        for (int64_t b = 0; b < std::min<int64_t>(lengths[i2] + 1, PREFETCH_ROWS) * D * (int64_t)sizeof(T); b += 64)
-          _mm_prefetch(next + b, _MM_HINT_T0);
+        const char* next = reinterpret_cast<const char*>(keys_of(job + 1));
+        const int64_t rows = std::min<int64_t>(lengths[(job + 1) / Hkv] + 1, PREFETCH_ROWS);
+        for (int64_t b = 0; b < rows * D * (int64_t)sizeof(T); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
       }
       for (int64_t j = 0; j < sizes[i]; ++j) {
         const int64_t token = offsets[i] + j, visible = lengths[i] + j + 1;

@@ -48,10 +48,12 @@ void dequantize_q8(const uint8_t* w, int64_t nb, int64_t n0, int64_t n1, float* 
 
 // fbgemm packs each weight once, on its first call with many rows, in column slices: its fp16 GEMM
 // runs on the calling thread only, so each thread of the parallel_for below takes an equal run of
-// slices of the output features. A slice holds at most SLICE_BYTES of packed weights: the lm_head's
-// 28 MB half per thread ran at 49-53 GMAC/s at 32-64 rows, in slices of 0.6-2.4 MB at 67-85
-// (bench: min of 8 calls, three alternating rounds); the decoder's weights fit one slice a thread. Packing is a pure function of the weight, so this is a memo; each entry holds its
-// weight tensor, so no freed weight's address can be reused by another while the memo knows it.
+// slices of the output features. A slice holds at most SLICE_BYTES of packed weights, because fbgemm
+// walks all of a call's columns once per 6 rows: the lm_head's 28 MB half per thread ran at 49-53
+// GMAC/s at 32-64 rows, in slices of 0.6-2.4 MB at 67-85 (min of 8 calls, three alternating rounds);
+// the decoder's weights fit one slice a thread. Packing is a pure function of the weight, so this is
+// a memo; each entry holds its weight tensor, so no freed weight's address can be reused by another
+// while the memo knows it.
 constexpr int64_t SLICE_BYTES = 2 << 20;
 
 struct PackedSlices {
@@ -90,8 +92,9 @@ const PackedSlices& packed_f16(const at::Tensor& w, int64_t K, Blocks blocks) {
   return memo.entries.emplace(w.data_ptr(), std::move(slices)).first->second;
 }
 
-// x [M, K] by every packed slice, each thread its run of slices -> out [M, N]. The slices land by memcpy: worker
-// threads do not inherit the caller's inference mode, so an ATen in-place copy there would be refused.
+// x [M, K] by every packed slice, each thread its run of slices -> out [M, N]. The slices land by
+// memcpy: worker threads do not inherit the caller's inference mode, so an ATen in-place copy there
+// would be refused.
 void fp16_gemm(const at::Tensor& x, const PackedSlices& w, float* out) {
   const int64_t M = x.size(0), N = w.starts.back(), n_slices = w.packed.size();
   at::parallel_for(0, n_slices, 1, [&](int64_t begin, int64_t end) {

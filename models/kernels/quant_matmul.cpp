@@ -12,7 +12,8 @@
 // llama.cpp uses, was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up
 // projections alone) and each block's products are summed in int32 by
 // madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
-// once, on first use, in one column slice per thread: fp16_gemm.cpp) go through fbgemm's fp16 GEMM.
+// once, on first use, in column slices shared out among the threads: fp16_gemm.cpp) go through
+// fbgemm's fp16 GEMM.
 // At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, streaming them near the
 // read bandwidth (software prefetch), and integer dot products that use few instructions per block
 // are the levers; activation rows share each weight block load.

@@ -20,10 +20,11 @@ from .registry import REGISTRY
 # Defined with the plain Library API rather than torch.library.custom_op: the same functional schema,
 # without custom_op's per-call aliasing checks and wrappers (~25 us a call, 30 calls a step).
 _LIBRARY = torch.library.Library("kvcache", "DEF")
-_LIBRARY.define(
-    "update_and_attend(Tensor q, Tensor k, Tensor v, Tensor position, int layer_id, float scale, "
-    "ScalarType out_dtype) -> Tensor"
-)
+_SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor position, int layer_id, float scale, ScalarType out_dtype) -> Tensor"
+_LIBRARY.define("update_and_attend" + _SCHEMA)
+# The same call as the registry's Python path. Once the C++ attention is loaded, update_and_attend's CPU
+# kernel (kernels/armed_step.cpp) runs the layers its armed step holds and hands every other call here.
+_LIBRARY.define("attend_active_step" + _SCHEMA)
 
 
 def update_and_attend(
@@ -45,6 +46,7 @@ def update_and_attend(
 
 
 _LIBRARY.impl("update_and_attend", update_and_attend, "CompositeExplicitAutograd")
+_LIBRARY.impl("attend_active_step", update_and_attend, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("kvcache::update_and_attend")

@@ -18,7 +18,7 @@ from .session_cache import SessionCache
 from .step import ActiveStep
 
 SpanSpec = str | tuple[str, int]
-ATTEND_KERNEL = Path(__file__).parent / "kernels" / "attend_spans.cpp"
+ATTEND_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("attend_spans.cpp", "armed_step.cpp")]
 
 
 class CacheRegistry:
@@ -35,7 +35,7 @@ class CacheRegistry:
         """Whether kvcache_native::attend_spans is loaded (built on first call; False without AVX2 or a compiler)."""
         if self._native is None:
             try:
-                load_native("kvcache_attend", [ATTEND_KERNEL])
+                load_native("kvcache_attend", ATTEND_KERNELS)
                 self._native = True
             except NativeUnavailable as e:
                 warnings.warn(f"falling back to per-span SDPA attention: {e}", stacklevel=3)
@@ -56,7 +56,7 @@ class CacheRegistry:
             if cache is None:
                 raise UnknownCache(f"no cache is installed under key {key!r}")
             if key in self._active_keys:
-                self._active, self._active_keys = None, ()
+                self._make_active(None, ())
             return cache
 
     def get(self, key: str) -> SessionCache:
@@ -87,7 +87,7 @@ class CacheRegistry:
         """
         with self._lock:
             if spans is None:
-                self._active, self._active_keys = None, ()
+                self._make_active(None, ())
                 return
             if isinstance(spans, str):
                 spans = [spans]
@@ -99,8 +99,12 @@ class CacheRegistry:
                 if n is not None and (not isinstance(n, int) or n <= 0):
                     raise CacheError(f"span of {key!r} must have a positive token count, got {n!r}")
                 resolved.append((self.get(key), n))
-            self._active = ActiveStep(resolved, native=self.native_attention())
-            self._active_keys = tuple(c.key for c, _ in resolved)
+            self._make_active(ActiveStep(resolved, native=self.native_attention()), tuple(c.key for c, _ in resolved))
+
+    def _make_active(self, step: ActiveStep | None, keys: tuple[str, ...]) -> None:
+        if self._active is not None and self._active.native:
+            self._active.disarm()  # the native kernel must never run a replaced step's layers
+        self._active, self._active_keys = step, keys
 
     def active_keys(self) -> tuple[str, ...]:
         return self._active_keys
@@ -115,7 +119,7 @@ class CacheRegistry:
             yield
         finally:
             with self._lock:
-                self._active, self._active_keys = saved
+                self._make_active(*saved)
 
     def current_step(self) -> ActiveStep:
         step = self._active

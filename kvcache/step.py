@@ -32,6 +32,7 @@ class ActiveStep:
         self.n_layers = n_layers.pop()
         self.native = native  # kvcache_native::attend_spans is loaded: short float32/float16 spans skip the Python loop
         self._next_layer: int | None = None  # None: no forward in progress
+        self._armed = False  # the native kernel holds layers 1..L-2 of this forward (kernels/armed_step.cpp)
 
     def _begin(self, position: torch.Tensor, n_tokens: int) -> None:
         # A span of None tokens (a lone session activated by key) owns the whole step.
@@ -74,8 +75,12 @@ class ActiveStep:
             raise CacheError(f"the token axis is flat: batch must be 1, got {q.shape[0]}")
         if layer_id == 0:
             self._next_layer = None
+            if self.native:
+                self.disarm()  # a step armed before (this one or another) never carries into a new forward
             self._begin(position, q.shape[2])
-        elif self._next_layer != layer_id:
+        elif self._armed:
+            self._next_layer = self.disarm()  # the native kernel ran the layers up to the one it handed back
+        if layer_id > 0 and self._next_layer != layer_id:
             self._next_layer = None
             raise CacheError(f"layers must run in order 0..{self.n_layers - 1}; got layer {layer_id} out of turn")
         if self.short and q.dtype == torch.float32:
@@ -83,11 +88,19 @@ class ActiveStep:
         else:
             out = self._attend_each(q, k, v, layer_id, scale, range(len(self.spans)))
         self._next_layer = layer_id + 1
+        if layer_id == 0 and self.short and not self.long and q.dtype == torch.float32 and self.n_layers > 2:
+            torch.ops.kvcache_native.arm_step(*self.short_args, 1, self.n_layers - 2)
+            self._armed = True
         if layer_id == self.n_layers - 1:
             for (cache, _), n in zip(self.spans, self.sizes):
                 cache.commit(n)
             self._next_layer = None
         return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    def disarm(self) -> int:
+        """Take back the layers the native kernel holds -> the next layer it expected (-1: none armed)."""
+        self._armed = False
+        return torch.ops.kvcache_native.disarm_step()
 
     def _attend_each(self, q, k, v, layer_id: int, scale: float, which) -> torch.Tensor:
         """Write and attend span by span with SDPA -> [1, H_q, S_which, D_v] (the listed spans' rows, in order)."""

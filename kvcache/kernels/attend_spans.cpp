@@ -14,6 +14,7 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include "simd.h"
+#include "attend_spans.h"
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -190,17 +191,23 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
   });
 }
 
+}  // namespace
+
+namespace kvcache_kernels {
+
 at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t layer,
                         double scale, at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef offsets,
                         at::IntArrayRef lengths, at::IntArrayRef sizes) {
   const int64_t n_spans = offsets.size();
   TORCH_CHECK(n_spans > 0 && k_caches.size() == n_spans && v_caches.size() == n_spans && lengths.size() == n_spans &&
                   sizes.size() == n_spans, "one cache pair, offset, length and size per span, at least one span");
-  TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && k_in.dim() == 4 && v_in.dim() == 4, "q, k, v must be [1, H, S, D]");
-  const at::Tensor q = q_in[0].contiguous(), k = k_in[0].contiguous(), v = v_in[0].contiguous();
+  TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && k_in.dim() == 4 && k_in.size(0) == 1 && v_in.dim() == 4 &&
+                  v_in.size(0) == 1, "q, k, v must be [1, H, S, D]");
+  // Batch is 1, so a contiguous [1, H, S, D] is laid out as [H, S, D] (no select: a view costs ~1 us a call).
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attend_spans works in float32");
-  const int64_t Hq = q.size(0), S = q.size(1), D = q.size(2), Hkv = k.size(0), Dv = v.size(2);
+  const int64_t Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
   const at::ScalarType cache_type = k_caches[0].scalar_type();
   TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kHalf, "caches must be float32 or float16");
   for (int64_t i = 0; i < n_spans; ++i) {
@@ -221,11 +228,11 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
   return out;
 }
 
-}  // namespace
+}  // namespace kvcache_kernels
 
 TORCH_LIBRARY(kvcache_native, m) {
   m.def("attend_spans(Tensor q, Tensor k, Tensor v, int layer, float scale, Tensor(a!)[] k_caches, "
         "Tensor(b!)[] v_caches, int[] offsets, int[] lengths, int[] sizes) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvcache_native, CPU, m) { m.impl("attend_spans", &attend_spans); }
+TORCH_LIBRARY_IMPL(kvcache_native, CPU, m) { m.impl("attend_spans", &kvcache_kernels::attend_spans); }

@@ -17,10 +17,11 @@
 namespace {
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w_in, double eps) {
-  const at::Tensor x = x_in.contiguous(), w = w_in.to(at::kFloat).contiguous();
+  // no aten::to or empty_like: each is a dispatcher call, and this runs twice a layer
+  const at::Tensor x = x_in.contiguous(), w = (w_in.scalar_type() == at::kFloat ? w_in : w_in.to(at::kFloat)).contiguous();
   TORCH_CHECK(x.scalar_type() == at::kFloat, "rms_norm works in float32");
   const int64_t C = x.size(-1), rows = x.numel() / C;
-  at::Tensor out = at::empty_like(x);
+  at::Tensor out = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {

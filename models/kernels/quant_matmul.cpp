@@ -83,20 +83,25 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
 }
 
 struct QuantizedRows {
-  at::Tensor q, d, s;  // [M, K] int16, [M, K/32] f32, [M, K/32] f32
+  const int16_t* q;  // [M, K]
+  const float *d, *s;  // [M, K/32] each
 };
 
+// Into the calling thread's scratch (valid until its next call): at batch 1, three at::empty calls
+// for these cost about as much as quantizing the row.
 QuantizedRows quantize_rows(const at::Tensor& x) {
+  thread_local std::vector<int16_t> q;
+  thread_local std::vector<float> d, s;
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
-  QuantizedRows r{at::empty({M, K}, x.options().dtype(at::kShort)), at::empty({M, nb}, x.options()), at::empty({M, nb}, x.options())};
+  q.resize(M * K), d.resize(M * nb), s.resize(M * nb);
   const float* xp = x.data_ptr<float>();
-  int16_t* qp = r.q.data_ptr<int16_t>();
-  float *dp = r.d.data_ptr<float>(), *sp = r.s.data_ptr<float>();
+  int16_t* qp = q.data();
+  float *dp = d.data(), *sp = s.data();
   // rows are contiguous and K is a whole number of blocks, so block i of the flat array is block i % nb of row i / nb
   at::parallel_for(0, M * nb, 1024, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
   });
-  return r;
+  return {qp, dp, sp};
 }
 
 inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -205,8 +210,8 @@ const Format Q8 = format<Q8Block>(Blocks::Q8_0, Q8_BYTES);
 void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format& f, float* op) {
   const int64_t M = x.size(0), K = x.size(1), nb = K / QK, row_bytes = nb * f.block_bytes;
   const QuantizedRows xq = quantize_rows(x);
-  const int16_t* qp = xq.q.data_ptr<int16_t>();
-  const float *dp = xq.d.data_ptr<float>(), *sp = xq.s.data_ptr<float>();
+  const int16_t* qp = xq.q;
+  const float *dp = xq.d, *sp = xq.s;
   TORCH_INTERNAL_ASSERT(M >= 1 && M <= MAX_ROWS, "small_batch takes 1..", MAX_ROWS, " rows, got ", M);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     const int64_t wide = WIDE[M - 1];
@@ -219,7 +224,8 @@ void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
 at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
   TORCH_CHECK(x_in.dim() >= 1, "x must be [..., K]");
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kByte, "w must be [N, K/32 * block bytes] uint8");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous().view({-1, x_in.size(-1)});
+  // aten::to is a dispatcher call even when it has nothing to do; 4 per layer add up at batch 1
+  const at::Tensor x = (x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat)).contiguous().view({-1, x_in.size(-1)});
   const at::Tensor w = w_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0 && w.size(1) == nb * f.block_bytes, "w holds ", w.size(1), " bytes per row; K=", K,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvcache import CacheConfig, SessionCache, Sizing
+from kvcache import REGISTRY, CacheConfig, CacheError, SessionCache, Sizing
 from kvcache.registry import CacheRegistry
 from kvcache.step import NATIVE_MAX_SPAN, ActiveStep
 
@@ -83,3 +83,57 @@ def test_native_matches_sdpa_for_other_head_layouts(kv_heads, q_heads, dim, dtyp
     s = sum(sizes)
     q, k, v = (torch.randn(LAYERS, 1, h, s, dim) for h in (q_heads, kv_heads, kv_heads))
     assert_native_matches_sdpa(exact, sizes, q, k, v)
+
+
+ARMED_LAYERS = 5  # layers 1..3 run in the armed C++ kernel; 0 and 4 on the registry's Python path
+
+
+def test_armed_middle_layers_run_natively_match_sdpa_and_refuse_out_of_turn():
+    torch.manual_seed(2)
+    if not REGISTRY.native_attention():
+        pytest.skip("no AVX2 CPU or compiler here")
+    config = CacheConfig(ARMED_LAYERS, KV_HEADS, DIM, capacity=64, dtype=torch.float16)
+    sizes, histories = [1, 2], [7, 3]
+    exact, served = [], []
+    for i, n in enumerate(histories):
+        for group in (exact, served):
+            c = SessionCache(config, key=f"armed{i}")
+            c.reserve(n)
+            for layer in range(ARMED_LAYERS):
+                torch.manual_seed(100 * i + layer)
+                c.write(layer, torch.randn(KV_HEADS, n, DIM), torch.randn(KV_HEADS, n, DIM))
+            c.commit(n)
+            group.append(c)
+    s = sum(sizes)
+    q, k, v = (torch.randn(ARMED_LAYERS, 1, h, s, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    position = torch.tensor([[7], [3], [4]])
+    reference = ActiveStep(list(zip(exact, sizes)), native=False)
+    want = [reference.attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32) for i in range(ARMED_LAYERS)]
+    keys = [f"armed-test-{i}" for i in range(len(served))]
+    for key, cache in zip(keys, served):
+        REGISTRY.install(key, cache)
+    try:
+        # out of turn while armed: layer 2 straight after layer 0 is refused, and no cache grows
+        REGISTRY.set_active(list(zip(keys, sizes)))
+        torch.ops.kvcache.update_and_attend(q[0], k[0], v[0], position, 0, DIM**-0.5, torch.float32)
+        with pytest.raises(CacheError, match="out of turn"):
+            torch.ops.kvcache.update_and_attend(q[2], k[2], v[2], position, 2, DIM**-0.5, torch.float32)
+        assert [c.length for c in served] == histories
+
+        REGISTRY.set_active(list(zip(keys, sizes)))
+        with torch.profiler.profile() as prof:
+            got = [torch.ops.kvcache.update_and_attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32)
+                   for i in range(ARMED_LAYERS)]
+        python_path = [e for e in prof.events() if e.name == "kvcache::attend_active_step"]
+        assert len(python_path) == 2  # the first and last layers only
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+        assert [c.length for c in served] == [8, 5]
+        for a, b in zip(exact, served):
+            for layer in range(ARMED_LAYERS):
+                for x, y in zip(a.history(layer), b.history(layer)):
+                    assert torch.equal(x, y)
+    finally:
+        REGISTRY.set_active(None)
+        for key in keys:
+            REGISTRY.uninstall(key)

@@ -12,7 +12,7 @@ LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 2, 6, 64
 def make_caches(histories, sizing, dtype=torch.float32, kv_heads=KV_HEADS, dim=DIM):
     caches = []
     for i, n in enumerate(histories):
-        c = SessionCache(CacheConfig(LAYERS, kv_heads, dim, capacity=128, sizing=sizing, dtype=dtype), key=f"s{i}")
+        c = SessionCache(CacheConfig(LAYERS, kv_heads, dim, capacity=NATIVE_MAX_SPAN + 64, sizing=sizing, dtype=dtype), key=f"s{i}")
         c.reserve(n)
         for layer in range(LAYERS):
             c.write(layer, torch.randn(kv_heads, n, dim), torch.randn(kv_heads, n, dim))
@@ -52,7 +52,7 @@ def assert_native_matches_sdpa(exact, sizes, q, k, v):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the served q4/f16 modes' KV
 @pytest.mark.parametrize("sizing", [Sizing.STATIC, Sizing.DYNAMIC])
-@pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, NATIVE_MAX_SPAN + 4, 1], [5]])
+@pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, 40, 1], [2, NATIVE_MAX_SPAN + 4, 1], [5]])
 def test_native_matches_sdpa_and_writes_the_same_history(dtype, sizing, sizes):
     torch.manual_seed(0)
     if not CacheRegistry().native_attention():

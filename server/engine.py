@@ -1,15 +1,18 @@
-"""The engine: one asyncio task that owns the model, schedules steps and streams results.
+"""The engine: one step loop that owns the model, schedules steps and streams results.
 
-HTTP handlers call `submit` (which only validates and enqueues) and then await the request's events.
-The model runs in one dedicated worker thread so the event loop stays responsive during a step.
+HTTP handlers call `submit` (which only validates and enqueues, under the engine's lock) and then
+await the request's events. The step loop runs on the model thread: schedule, run, postprocess, with
+no hop to the event loop between steps (each hop cost ~0.3 ms a step, 4% of a one-stream step); once a
+step, it hands the events it produced to the event loop, which stays free to serve HTTP.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -20,7 +23,7 @@ from .config import EngineConfig
 from .errors import InvalidRequest, ShuttingDown
 from .kv_pool import KVPool
 from .metrics import Metrics
-from .model_thread import keep_step_buffers, keep_torch_serial, model_thread, submit_started
+from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -59,13 +62,19 @@ class Engine:
         self.metrics = Metrics(model.name)
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._outbox: list[tuple[asyncio.Queue, object]] = []  # events of the step loop, not yet handed over
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._steps: Future | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         keep_torch_serial()  # the event loop's torch work stays off the model thread's cores
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="kvserve-engine")
+        self._loop = asyncio.get_running_loop()
+        self._steps = self._worker.submit(self._step_loop)
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new work, then wait up to `timeout` s for in-flight requests; True if all finished."""
@@ -76,14 +85,13 @@ class Engine:
         return not self.scheduler.has_work()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        for session in list(self.sessions):
-            self.pool.drop(session)
+        self._stopping = True
+        self._wake.set()
+        if self._steps is not None:
+            await asyncio.wrap_future(self._steps)  # the step in flight, if any, ends first
+        with self._lock:
+            for session in list(self.sessions):
+                self.pool.drop(session)
         self._worker.shutdown(wait=True)
 
     # ---- sessions --------------------------------------------------------------------------
@@ -104,21 +112,24 @@ class Engine:
                 f"more than the whole KV budget of {self.pool.budget} bytes",
                 param="capacity",
             )
-        session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
-        self.metrics.sessions.set(len(self.sessions))
+        with self._lock:
+            session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
+            self.metrics.sessions.set(len(self.sessions))
         return session
 
     def delete_session(self, session: Session) -> None:
-        self.sessions.check_idle(session)
-        self.pool.drop(session)
-        self.sessions.remove(session)
-        self.metrics.sessions.set(len(self.sessions))
+        with self._lock:
+            self.sessions.check_idle(session)
+            self.pool.drop(session)
+            self.sessions.remove(session)
+            self.metrics.sessions.set(len(self.sessions))
 
     def rewind_session(self, session: Session, length: int) -> None:
-        self.sessions.check_idle(session)
-        if not 0 <= length <= len(session.tokens):
-            raise InvalidRequest(f"length must be between 0 and the session's length {len(session.tokens)}", param="length")
-        session.truncate(length)
+        with self._lock:
+            self.sessions.check_idle(session)
+            if not 0 <= length <= len(session.tokens):
+                raise InvalidRequest(f"length must be between 0 and the session's length {len(session.tokens)}", param="length")
+            session.truncate(length)
 
     # ---- requests --------------------------------------------------------------------------
     def submit(
@@ -136,6 +147,13 @@ class Engine:
         longest common prefix of its history and prefills the rest. resend=False: `prompt` continues
         the session's history.
         """
+        with self._lock:
+            req = self._submit(session, prompt, params, resend, max_tokens_given, inject_fault)
+        self._wake.set()
+        return req
+
+    def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool, max_tokens_given: bool,
+                inject_fault: bool) -> Request:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -166,7 +184,7 @@ class Engine:
         reused = min(keep, session.cached_length)
         req = Request(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
                       cached_tokens=reused if resend else 0, inject_fault=inject_fault,
-                      history_before=list(session.tokens), kept=keep)
+                      history_before=list(session.tokens), kept=keep, sink=self._post)
         session.truncate(keep)
         session.tokens.extend(new)
         if not session.pending and params.max_tokens > 0 and session.cache is not None:
@@ -175,7 +193,6 @@ class Engine:
         self.scheduler.add(req)
         self.metrics.prompt_tokens.inc(len(session.pending))
         self._update_gauges()
-        self._wake.set()
         return req
 
     def cancel(self, req: Request) -> None:
@@ -183,31 +200,58 @@ class Engine:
             req.cancelled = True
             self._wake.set()
 
-    # ---- the loop --------------------------------------------------------------------------
-    async def _loop(self) -> None:
-        while True:
+    # ---- the step loop (model thread) ------------------------------------------------------
+    def _step_loop(self) -> None:
+        while not self._stopping:
+            try:
+                self._step()
+            except Exception:  # a bug outside the model step must not stop serving
+                log.exception("step loop error")
+                time.sleep(0.05)
+            finally:
+                self._hand_over()
+
+    def _step(self) -> None:
+        with self._lock:
             batch = self.scheduler.schedule()
             self._update_gauges()
             if not batch:
                 self._wake.clear()
                 self._observe_finished()  # requests cancelled while waiting
-                if not self.scheduler.has_work():
-                    await self._wake.wait()
-                else:  # work that cannot run yet (nothing fits): look again shortly
-                    await asyncio.sleep(0.005)
-                continue
-            rows = [self.scheduler.by_id[c.request_id].sample_row() for c in batch.chunks if c.sample]
-            try:
-                sampled = await asyncio.wrap_future(submit_started(self._worker, self.runner.run, batch, rows))
-            except Exception as e:  # one bad step fails its requests, never the server
-                log.exception("step failed")
+                waiting = self.scheduler.has_work()  # work that cannot run yet (nothing fits): look again shortly
+            else:
+                rows = [self.scheduler.by_id[c.request_id].sample_row() for c in batch.chunks if c.sample]
+        if not batch:
+            self._hand_over()
+            self._wake.wait(0.005 if waiting else None)
+            return
+        try:
+            sampled = self.runner.run(batch, rows)
+        except Exception as e:  # one bad step fails its requests, never the server
+            log.exception("step failed")
+            with self._lock:
                 self.scheduler.fail_step(batch, e)
                 self._observe_finished()
-                continue
+            return
+        with self._lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
             self.metrics.generation_tokens.inc(len(sampled))
             self.scheduler.postprocess(batch, sampled)
             self._observe_finished()
+
+    def _post(self, queue: asyncio.Queue, event: object) -> None:
+        """A request's event, produced on the step loop (under the lock)."""
+        self._outbox.append((queue, event))
+
+    def _hand_over(self) -> None:
+        """Give the event loop the events since the last hand-over, in one wake-up."""
+        with self._lock:
+            events, self._outbox = self._outbox, []
+        if events and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(_put_all, events)
+            except RuntimeError:  # the loop has closed: nobody is left to read them
+                pass
 
     def _observe_finished(self) -> None:
         m = self.metrics
@@ -240,6 +284,11 @@ def kv_dtype(config: EngineConfig, model: LoadedModel) -> torch.dtype:
     if config.kv_dtype == "auto":
         return torch.float16 if model.weights != "f32" else model.dtype
     return getattr(torch, config.kv_dtype)
+
+
+def _put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 def _with_max_tokens(params: SamplingParams, n: int) -> SamplingParams:

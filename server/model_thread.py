@@ -9,12 +9,9 @@ loop thread keeps its own torch work (cache allocation, copies) on itself.
 from __future__ import annotations
 
 import ctypes
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
-
-HANDOVER_WAIT_S = 0.002  # how long submit_started blocks at most (a step never waits on another)
 
 # Read at import, before any thread calls keep_torch_serial (which sets its own count to 1).
 TORCH_THREADS = torch.get_num_threads()
@@ -53,21 +50,3 @@ def keep_torch_serial() -> None:
     """
     torch.get_num_threads()
     torch.set_num_threads(1)
-
-
-def submit_started(worker: ThreadPoolExecutor, fn, *args) -> Future:
-    """Submit fn(*args) and block, with the GIL released, until the worker has started it.
-
-    Submitting and returning to the event loop left the model thread waiting for the GIL while the
-    loop ran the stream handlers the previous step had woken: 0.28-0.38 ms from submit to the step's
-    start, 0.10-0.17 ms with this wait (one stream, medians of 525 steps, alternating runs).
-    """
-    started = threading.Event()
-
-    def job():
-        started.set()
-        return fn(*args)
-
-    future = worker.submit(job)
-    started.wait(HANDOVER_WAIT_S)
-    return future

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # Where accept/finish put events; None: straight into `events`. The engine, whose steps run off the
+    # event loop, collects them and hands them over to the loop once a step.
+    sink: Callable[[asyncio.Queue, object], None] | None = None
     finished: Finished | None = None
     cancelled: bool = False
     arrival: float = field(default_factory=time.monotonic)
@@ -85,7 +89,7 @@ class Request:
         is_eos = (s.token in eos_ids and not self.params.ignore_eos) or s.token in self.params.stop_token_ids
         delta = "" if is_eos else self.stops.feed(self.detok.push(s.token))
         self.text += delta
-        self.events.put_nowait(TokenEvent(s.token, delta, s.logprob, s.top))
+        self._emit(TokenEvent(s.token, delta, s.logprob, s.top))
         if is_eos or self.stops.stopped:
             self.finish("stop")
         elif not self.wants_tokens or len(self.session.tokens) >= self.session.capacity:
@@ -99,4 +103,10 @@ class Request:
             tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
         self.text += tail
         self.finished = Finished(reason, tail, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error)
-        self.events.put_nowait(self.finished)
+        self._emit(self.finished)
+
+    def _emit(self, event: TokenEvent | Finished) -> None:
+        if self.sink is None:
+            self.events.put_nowait(event)
+        else:
+            self.sink(self.events, event)

@@ -36,12 +36,14 @@ def test_penalties_change_the_choice():
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
+    # row 2's top-p mass lies past the leading candidates, so it alone is sorted whole; the top-k rows
+    # keep their candidates (padded with -inf beside it): every row draws what it draws alone
     torch.manual_seed(0)
     logits = torch.randn(5, 1000)
-    p = SamplingParams(temperature=1.0, top_p=0.9)
-    alone = [sample(logits[2:3], rows(p, seed=42))[0].token for _ in range(1)]
-    batch = rows(*[SamplingParams(temperature=0.7, top_k=50)] * 2, p, *[SamplingParams(temperature=0.0)] * 2, seed=40)
-    assert sample(logits, batch)[2].token == alone[0]
+    params = [*[SamplingParams(temperature=0.7, top_k=50)] * 2, SamplingParams(temperature=1.0, top_p=0.9),
+              *[SamplingParams(temperature=0.0)] * 2]
+    alone = [sample(logits[i : i + 1], rows(p, seed=40 + i))[0].token for i, p in enumerate(params)]
+    assert [s.token for s in sample(logits, rows(*params, seed=40))] == alone
 
 
 def test_logprobs():

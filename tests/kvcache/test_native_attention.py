@@ -9,12 +9,12 @@ from kvcache.step import NATIVE_MAX_SPAN, ActiveStep
 LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 2, 6, 64
 
 
-def make_caches(histories, sizing, dtype=torch.float32, kv_heads=KV_HEADS, dim=DIM):
+def make_caches(histories, sizing, dtype=torch.float32, kv_heads=KV_HEADS, dim=DIM, layers=LAYERS):
     caches = []
     for i, n in enumerate(histories):
-        c = SessionCache(CacheConfig(LAYERS, kv_heads, dim, capacity=NATIVE_MAX_SPAN + 64, sizing=sizing, dtype=dtype), key=f"s{i}")
+        c = SessionCache(CacheConfig(layers, kv_heads, dim, capacity=NATIVE_MAX_SPAN + 64, sizing=sizing, dtype=dtype), key=f"s{i}")
         c.reserve(n)
-        for layer in range(LAYERS):
+        for layer in range(layers):
             c.write(layer, torch.randn(kv_heads, n, dim), torch.randn(kv_heads, n, dim))
         c.commit(n)
         caches.append(c)
@@ -26,7 +26,7 @@ def clone(caches):
     for c in caches:
         copy = SessionCache(c.config, key=c.key)
         copy.reserve(c.length)
-        for layer in range(LAYERS):
+        for layer in range(c.config.n_layers):
             copy.write(layer, *c.history(layer))
         copy.commit(c.length)
         out.append(copy)
@@ -92,18 +92,9 @@ def test_armed_middle_layers_run_natively_match_sdpa_and_refuse_out_of_turn():
     torch.manual_seed(2)
     if not REGISTRY.native_attention():
         pytest.skip("no AVX2 CPU or compiler here")
-    config = CacheConfig(ARMED_LAYERS, KV_HEADS, DIM, capacity=64, dtype=torch.float16)
     sizes, histories = [1, 2], [7, 3]
-    exact, served = [], []
-    for i, n in enumerate(histories):
-        for group in (exact, served):
-            c = SessionCache(config, key=f"armed{i}")
-            c.reserve(n)
-            for layer in range(ARMED_LAYERS):
-                torch.manual_seed(100 * i + layer)
-                c.write(layer, torch.randn(KV_HEADS, n, DIM), torch.randn(KV_HEADS, n, DIM))
-            c.commit(n)
-            group.append(c)
+    exact = make_caches(histories, Sizing.DYNAMIC, torch.float16, layers=ARMED_LAYERS)
+    served = clone(exact)
     s = sum(sizes)
     q, k, v = (torch.randn(ARMED_LAYERS, 1, h, s, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
     position = torch.tensor([[7], [3], [4]])

@@ -4,7 +4,8 @@
     f16  float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
     q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
          multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
-         below 4 rows; from 4 rows on by fbgemm's fp16 GEMM on weights unpacked once, on first use
+         (int16 activations): below 4 rows straight off the blocks, from 4 rows on as a GEMM on
+         weights unpacked once, on first use, into panels of one byte a weight
 Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and
 Q8_0 weights requantize to the same blocks, so q4 on such a file loses nothing over f32. (A q8 mode
 was measured and dropped: requantizing Q4_1 weights to Q8_0 rounds them again, and it flipped 40% of
@@ -26,7 +27,7 @@ from .block_quant import BLOCK, quantize_q4, quantize_q8
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
-_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fp16_gemm.cpp", "fused.cpp", "block.cpp")]
+_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "int_gemm.cpp", "fused.cpp", "block.cpp")]
 
 # fbgemm packs each weight once; packing is a pure function of the weight, so this is a memo that
 # nobody reads back as state: keyed by the weight's storage, alive as long as the process. Each entry

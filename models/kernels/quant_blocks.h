@@ -1,4 +1,4 @@
-// What quant_matmul.cpp and fp16_gemm.cpp share: llama.cpp's block sizes and the batched path.
+// What quant_matmul.cpp and int_gemm.cpp share: llama.cpp's block sizes and the batched path.
 #pragma once
 #include <ATen/ATen.h>
 #include <immintrin.h>
@@ -19,8 +19,15 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// out [M, N] = x [M, K] (float32, contiguous) by w [N, K/32 * block bytes] through fbgemm's fp16 GEMM,
-// on weights dequantized and packed on first use.
-void fp16_linear(const at::Tensor& x, const at::Tensor& w, Blocks blocks, float* out);
+// Activation rows quantized per block of 32 to int16 (scale d = amax/32767; s = d * sum(q), which
+// Q4_1's min term needs).
+struct QuantizedRows {
+  const int16_t* q;  // [M, K]
+  const float *d, *s;  // [M, K/32] each
+};
+
+// out [M, N] = xq [M, K] by w [N, K/32 * block bytes]: int16 by integer weights, scaled per block
+// (int_gemm.cpp), on weights unpacked into panels on first use.
+void int_linear(const QuantizedRows& xq, int64_t M, int64_t K, const at::Tensor& w, Blocks blocks, float* out);
 
 }  // namespace kvserve_quant

@@ -8,15 +8,13 @@
 //   linear_q8(x [..., K] f32, w [N, K/32*34] u8) -> [..., N] f32
 //       a w row holds Q8_0 blocks as arrays: nb*32 int8, then nb fp16 scales d; w = d*q.
 // Scales as arrays rather than inside each block let the kernels load and convert four at a time.
-// For a few rows the activations are quantized per block of 32 to int16 (scale amax/32767; int8, as
-// llama.cpp uses, was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up
-// projections alone) and each block's products are summed in int32 by
-// madd, then scaled in f32. From FP16_ROWS rows on, the weights (dequantized and packed for fbgemm
-// once, on first use, in column slices shared out among the threads: fp16_gemm.cpp) go through
-// fbgemm's fp16 GEMM.
-// At batch 1 reading 0.6 (Q4) or 1.06 (Q8) bytes per weight instead of 4, streaming them near the
-// read bandwidth (software prefetch), and integer dot products that use few instructions per block
-// are the levers; activation rows share each weight block load.
+// The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
+// was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up projections
+// alone), and each block's products are summed in int32 by madd, then scaled in f32. Below
+// BATCH_ROWS rows that runs here, straight off the blocks: at batch 1 reading 0.6 (Q4) or 1.06 (Q8)
+// bytes per weight instead of 4, streaming them near the read bandwidth (software prefetch), and
+// integer dot products that use few instructions per block are the levers; activation rows share
+// each weight block load. From BATCH_ROWS rows on, the same products run as a GEMM (int_gemm.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,10 +33,11 @@ using kvserve_quant::half_at;
 using kvserve_quant::Q4_BYTES;
 using kvserve_quant::Q8_BYTES;
 using kvserve_quant::QK;
-constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block load (FP16_ROWS - 1)
-// From this many activation rows on, fbgemm's packed fp16 GEMM (the f16 mode's kernel) beats the
-// integer dot products: measured 1.6x at 8 rows, 1.4x at 32 (bench/model_step.py, q4 against f16).
-constexpr int64_t FP16_ROWS = MAX_ROWS + 1;
+using kvserve_quant::QuantizedRows;
+constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block load (BATCH_ROWS - 1)
+// From this many activation rows on, int_gemm.cpp's panels beat these dot products, which re-read
+// and re-unpack each weight block per group of MAX_ROWS rows.
+constexpr int64_t BATCH_ROWS = MAX_ROWS + 1;
 constexpr int64_t PREFETCH_SPANS = 2;  // how many row groups ahead dot_rows prefetches
 
 inline __m128 four_halves(const uint8_t* p) {
@@ -81,11 +80,6 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
   *d = scale;
   *s = scale * hsum(_mm256_cvtepi32_ps(total));
 }
-
-struct QuantizedRows {
-  const int16_t* q;  // [M, K]
-  const float *d, *s;  // [M, K/32] each
-};
 
 // Into the calling thread's scratch (valid until its next call): at batch 1, three at::empty calls
 // for these cost about as much as quantizing the row.
@@ -234,8 +228,8 @@ at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const F
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out.view(shape);
-  if (M >= FP16_ROWS) {  // compute bound: fbgemm's fp16 GEMM on the dequantized weights
-    kvserve_quant::fp16_linear(x, w, f.blocks, out.data_ptr<float>());
+  if (M >= BATCH_ROWS) {  // compute bound: the same products, as a GEMM on weights unpacked into panels
+    kvserve_quant::int_linear(quantize_rows(x), M, K, w, f.blocks, out.data_ptr<float>());
     return out.view(shape);
   }
   small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());

@@ -91,7 +91,7 @@ def test_weights_mode_fidelity(smollm, exact_greedy, weights):
 
 
 def test_q4_single_stream_fidelity(exact_greedy):
-    """Below 4 rows q4 runs its integer kernels (int16 activations), not the fp16 GEMM of the batched test."""
+    """Below 4 rows q4 runs its dot products straight off the blocks, not the GEMM of the batched test."""
     fast = load_model(DEFAULT_MODEL, weights="q4")
     agree = agreement(exact_greedy, [greedy_alone(fast, p, 64) for p in PROMPTS])
     assert agree >= 0.9, f"q4 decoding one stream agrees with f32 on {agree:.1%} of greedy tokens"

@@ -37,8 +37,7 @@ struct PackedInt {
   at::Tensor quants;  // [P, nb, 16 pairs, 8 features, 2] uint8 (Q4_1 nibbles) or int8 (Q8_0)
   at::Tensor scales;  // [P, nb, 8] float32
   at::Tensor mins;    // [P, nb, 8] float32 (Q4_1; zeros for Q8_0)
-  int64_t n;          // output features; P = n / 8 rounded up to whole tiles, padded with zero weights
-};
+};  // P = the weight's rows / 8, rounded up to whole tiles and padded with zero weights
 
 struct IntMemo {
   std::mutex lock;
@@ -52,8 +51,8 @@ IntMemo& int_memo() {
 
 // Weight k of block b of row `row` as a byte: Q4_1 byte j holds k = j (low nibble) and j + 16.
 inline uint8_t weight_byte(const uint8_t* row, int64_t b, int64_t k, Blocks blocks) {
-  if (blocks == Blocks::Q8_0) return row[b * 32 + k];
-  const uint8_t byte = row[b * 16 + (k & 15)];
+  if (blocks == Blocks::Q8_0) return row[b * Q8_QUANT_BYTES + k];
+  const uint8_t byte = row[b * Q4_QUANT_BYTES + (k & 15)];
   return k < 16 ? byte & 0x0F : byte >> 4;
 }
 
@@ -63,10 +62,10 @@ const PackedInt& packed_int(const at::Tensor& w, int64_t K, Blocks blocks) {
   auto it = memo.entries.find(w.data_ptr());
   if (it != memo.entries.end()) return it->second;
   const int64_t N = w.size(0), nb = K / QK, panels = (N + GROUP * PANEL - 1) / (GROUP * PANEL) * GROUP;
-  const int64_t row_bytes = w.size(1), quant_bytes = blocks == Blocks::Q4_1 ? 16 : 32;
+  const int64_t row_bytes = w.size(1), quant_bytes = blocks == Blocks::Q4_1 ? Q4_QUANT_BYTES : Q8_QUANT_BYTES;
   const auto bytes = at::TensorOptions().dtype(at::kByte), floats = at::TensorOptions().dtype(at::kFloat);
   PackedInt p{w, at::zeros({panels, nb, PANEL_BLOCK}, bytes), at::zeros({panels, nb, PANEL}, floats),
-              at::zeros({panels, nb, PANEL}, floats), N};
+              at::zeros({panels, nb, PANEL}, floats)};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   uint8_t* qp = p.quants.data_ptr<uint8_t>();
   float *dp = p.scales.data_ptr<float>(), *mp = p.mins.data_ptr<float>();
@@ -144,7 +143,7 @@ constexpr TileFn tiles[ROWS] = {tile<Signed, HasMin, 1>, tile<Signed, HasMin, 2>
 
 void int_linear(const QuantizedRows& x, int64_t M, int64_t K, const at::Tensor& w, Blocks blocks, float* out) {
   const PackedInt& p = packed_int(w, K, blocks);
-  const int64_t nb = K / QK, N = p.n, groups = p.quants.size(0) / GROUP, cols = GROUP * PANEL;
+  const int64_t nb = K / QK, N = p.weight.size(0), groups = p.quants.size(0) / GROUP, cols = GROUP * PANEL;
   const TileFn* fns = blocks == Blocks::Q4_1 ? tiles<false, true> : tiles<true, false>;
   const uint8_t* qp = p.quants.data_ptr<uint8_t>();
   const float *dp = p.scales.data_ptr<float>(), *mp = p.mins.data_ptr<float>();

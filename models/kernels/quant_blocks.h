@@ -8,8 +8,10 @@
 namespace kvserve_quant {
 
 constexpr int64_t QK = 32;        // weights per block
-constexpr int64_t Q4_BYTES = 20;  // Q4_1: 16 bytes of nibbles, fp16 scale, fp16 min (stored as arrays per row)
-constexpr int64_t Q8_BYTES = 34;  // Q8_0: 32 int8, fp16 scale
+constexpr int64_t Q4_QUANT_BYTES = 16;  // Q4_1's nibbles per block
+constexpr int64_t Q8_QUANT_BYTES = 32;  // Q8_0's int8 per block
+constexpr int64_t Q4_BYTES = Q4_QUANT_BYTES + 4;  // Q4_1: nibbles, fp16 scale, fp16 min (stored as arrays per row)
+constexpr int64_t Q8_BYTES = Q8_QUANT_BYTES + 2;  // Q8_0: int8, fp16 scale
 
 enum class Blocks { Q4_1, Q8_0 };
 

@@ -106,7 +106,7 @@ inline __m256i load256(const void* p) { return _mm256_loadu_si256(reinterpret_ca
 // Q4_1 block bytes: byte j = q[j] | q[j+16] << 4.
 struct Q4Block {
   struct W { __m256i lo, hi; };
-  static constexpr int64_t quant_bytes = 16;
+  static constexpr int64_t quant_bytes = kvserve_quant::Q4_QUANT_BYTES;
   static constexpr bool has_min = true;
   static inline W unpack(const uint8_t* q) {
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));  // word j = byte j
@@ -119,7 +119,7 @@ struct Q4Block {
 
 struct Q8Block {
   using W = Q4Block::W;
-  static constexpr int64_t quant_bytes = 32;
+  static constexpr int64_t quant_bytes = kvserve_quant::Q8_QUANT_BYTES;
   static constexpr bool has_min = false;
   static inline W unpack(const uint8_t* q) {
     return {_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))),

@@ -26,3 +26,11 @@ class NoActiveCache(CacheError):
 
 class UnknownCache(CacheError):
     """A key names no installed cache."""
+
+
+class PoolExhausted(CacheError):
+    """The shared block pool has too few free or evictable blocks for a step or a reservation."""
+
+    def __init__(self, needed: int, available: int) -> None:
+        self.needed, self.available = needed, available
+        super().__init__(f"the KV pool has {max(available, 0)} blocks to give, {needed} are needed")

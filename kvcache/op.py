@@ -7,14 +7,15 @@ Shapes (BHSD, flat token axis):
     position [S, 1] int64           absolute position of each token in its own session
     returns  [B=1, H_q,  S, D_v]    in out_dtype
 To the tracer the op is pure (mutates_args=()): the graph holds no KV buffers and no cache sizes.
-At run time it hands this layer's k/v to the caches of the registry's active step and attends q over
-each session's history.
+At run time it hands this layer's k/v to the caches of the calling thread's active step (set through a
+registry) and attends q over each session's history.
 """
 from __future__ import annotations
 
 import torch
 
-from .registry import REGISTRY
+from . import step as steps
+from .errors import NoActiveCache
 
 
 # Defined with the plain Library API rather than torch.library.custom_op: the same functional schema,
@@ -23,7 +24,7 @@ _LIBRARY = torch.library.Library("kvcache", "DEF")
 _SCHEMA = "(Tensor q, Tensor k, Tensor v, Tensor position, int layer_id, float scale, ScalarType out_dtype) -> Tensor"
 _LIBRARY.define("update_and_attend" + _SCHEMA)
 # The same call as the registry's Python path. Once the C++ attention is loaded, update_and_attend's CPU
-# kernel (kernels/armed_step.cpp) runs the layers its armed step holds and hands every other call here.
+# kernel (kernels/bound_step.cpp) runs the layers of the thread's bound step and hands every other call here.
 _LIBRARY.define("attend_active_step" + _SCHEMA)
 
 
@@ -42,7 +43,13 @@ def update_and_attend(
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
     if position.shape != (q.shape[2], 1):
         raise ValueError(f"position must be [S, 1] = [{q.shape[2]}, 1], got {tuple(position.shape)}")
-    return REGISTRY.current_step().attend(q, k, v, position, layer_id, scale, out_dtype)
+    step = steps.bound()
+    if step is None:
+        raise NoActiveCache(
+            "kvcache::update_and_attend ran with no active cache: install a session cache and call "
+            "REGISTRY.set_active(key) (or use REGISTRY.active(key)) before the forward"
+        )
+    return step.attend(q, k, v, position, layer_id, scale, out_dtype)
 
 
 _LIBRARY.impl("update_and_attend", update_and_attend, "CompositeExplicitAutograd")

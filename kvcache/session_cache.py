@@ -1,42 +1,45 @@
-"""One sequence's K/V history for every layer, bounded by a hard capacity.
+"""One sequence's K/V history for every layer: a block table into a pool, bounded by a hard capacity.
 
-Storage contract: k is [n_layers, n_kv_heads, allocated, head_dim] and
-v is [n_layers, n_kv_heads, allocated, v_head_dim]; tokens [0, length) are valid.
+Token t of the history lies in block table[t // B] of the pool, at row t % B. Blocks before the
+last may be shared with other caches (a forked session, a cached prefix); a shared block is never
+written: the first write into one copies it (copy on write), so sharing is invisible to every cache.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool, chain_hash, prefix_hashes
 from .config import CacheConfig, Sizing
-from .errors import CacheFull
-
-_MIN_DYNAMIC_ALLOC = 16
+from .errors import CacheError, CacheFull, PoolExhausted
 
 
-def grown_allocation(allocated: int, needed: int, capacity: int) -> int:
-    """Tokens a cache holding `allocated` slots allocates to hold `needed` tokens."""
-    if needed <= allocated:
-        return allocated
-    # Geometric growth keeps appends amortized O(1); the cap keeps memory within the hard bound.
-    return min(capacity, max(needed, 2 * allocated, _MIN_DYNAMIC_ALLOC))
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
 
 
 class SessionCache:
-    """K/V of one session; STATIC preallocates its capacity, DYNAMIC doubles as it grows."""
+    """K/V of one session; STATIC reserves its capacity in the pool up front, DYNAMIC takes blocks as it grows."""
 
-    def __init__(self, config: CacheConfig, key: str = "") -> None:
-        self.config = config
-        self.key = key
+    def __init__(self, config: CacheConfig, pool: BlockPool | None = None, key: str = "") -> None:
+        if pool is None:  # a cache on its own gets a private pool of exactly its capacity
+            pool = BlockPool(config, blocks_for(config.capacity, DEFAULT_BLOCK_SIZE))
+        p = pool.layout
+        if (p.n_layers, p.n_kv_heads, p.head_dim, p.value_dim, p.dtype) != (
+            config.n_layers, config.n_kv_heads, config.head_dim, config.value_dim, config.dtype
+        ):
+            raise CacheError("a cache's layers, heads, dims and dtype must match its pool's")
+        self.config, self.pool, self.key = config, pool, key
+        self.table: list[int] = []  # block ids, ceil(length / B) of them outside a step
         self._length = 0
-        alloc = config.capacity if config.sizing is Sizing.STATIC else 0
-        self._k, self._v = self._allocate(alloc)
+        self._hashes: list[bytes] = []  # chained hash of each full block published so far
+        self._reserved = 0  # STATIC: blocks still held back for this cache in the pool
+        if config.sizing is Sizing.STATIC:
+            pool.reserve(self.max_blocks)
+            self._reserved = self.max_blocks
 
-    def _allocate(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        k = torch.zeros(c.n_layers, c.n_kv_heads, tokens, c.head_dim, dtype=c.dtype)
-        v = torch.zeros(c.n_layers, c.n_kv_heads, tokens, c.value_dim, dtype=c.dtype)
-        return k, v
-
+    # ---- sizes ---------------------------------------------------------------------------------
     @property
     def length(self) -> int:
         return self._length
@@ -46,12 +49,22 @@ class SessionCache:
         return self.config.capacity
 
     @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def max_blocks(self) -> int:
+        return blocks_for(self.config.capacity, self.pool.block_size)
+
+    @property
     def allocated(self) -> int:
-        return self._k.shape[2]
+        """Tokens of storage held (whole blocks), shared blocks included."""
+        return len(self.table) * self.pool.block_size
 
     @property
     def nbytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes
+        """Bytes this cache holds or has reserved in the pool, shared blocks included."""
+        return (len(self.table) + self._reserved) * self.pool.block_bytes
 
     def can_extend(self, n: int) -> bool:
         return 0 <= n and self._length + n <= self.config.capacity
@@ -60,61 +73,129 @@ class SessionCache:
         if not self.can_extend(n):
             raise CacheFull(self.key, self._length, n, self.config.capacity)
 
-    def allocation_for(self, n: int) -> int:
-        """Tokens allocated once n more are held (what reserve(n) would leave), without allocating."""
-        return grown_allocation(self.allocated, self._length + n, self.config.capacity)
+    def _copy_on_write(self, n: int) -> bool:
+        """Whether writing n tokens starts inside a block that others see."""
+        b = self.pool.block_size
+        return n > 0 and self._length % b != 0 and self.pool.is_shared(self.table[self._length // b])
 
-    def bytes_after(self, n: int) -> int:
-        """nbytes once n more tokens are held."""
-        return self.config.bytes_for(self.allocation_for(n))
+    def pool_demand(self, n: int) -> int:
+        """Unreserved pool blocks that reserve(n) would take: new blocks (DYNAMIC) and a copy on write."""
+        grow = max(0, blocks_for(self._length + n, self.pool.block_size) - len(self.table))
+        return max(0, grow - self._reserved) + self._copy_on_write(n)
 
+    # ---- a step: reserve, write, commit --------------------------------------------------------
     def reserve(self, n: int) -> None:
-        """Make room for n more tokens; raises CacheFull (changing nothing) past capacity."""
+        """Make room for n more tokens; raises CacheFull or PoolExhausted (changing nothing)."""
         self.check_extend(n)
-        alloc = self.allocation_for(n)
-        if alloc == self.allocated:
-            return
-        k, v = self._allocate(alloc)
-        k[:, :, : self._length].copy_(self._k[:, :, : self._length])
-        v[:, :, : self._length].copy_(self._v[:, :, : self._length])
-        self._k, self._v = k, v
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k [H_kv, n, D] and v [H_kv, n, D_v] after the history of `layer` (room must be reserved).
-
-        Returns the layer's whole history including them: [H_kv, length + n, D] and [H_kv, length + n, D_v].
-        The length does not move until commit(n), so a step that fails midway leaves the history intact.
-        """
-        end = self._length + k.shape[1]
-        assert end <= self.allocated, "reserve() must run before write()"
-        k_layer, v_layer = self._k[layer], self._v[layer]  # [H_kv, allocated, D] views
-        k_layer[:, self._length : end] = k
-        v_layer[:, self._length : end] = v
-        return k_layer[:, :end], v_layer[:, :end]
-
-    def storage(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole K [L, H_kv, allocated, D] and V [L, H_kv, allocated, D_v] buffers, for kernels that append in place."""
-        return self._k, self._v
+        demand = self.pool_demand(n)
+        if demand > self.pool.available():
+            raise PoolExhausted(demand, self.pool.available())
+        if self._copy_on_write(n):
+            at = self._length // self.pool.block_size
+            shared = self.table[at]
+            self.table[at] = self.pool.copy(shared)
+            self.pool.release(shared)
+        while len(self.table) < blocks_for(self._length + n, self.pool.block_size):
+            reserved = self._reserved > 0
+            self.table.append(self.pool.allocate(reserved))
+            self._reserved -= reserved
 
     def commit(self, n: int) -> None:
         assert self._length + n <= self.allocated
         self._length += n
 
-    def history(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid K [H_kv, length, D] and V [H_kv, length, D_v] of one layer (views, not copies)."""
-        return self._k[layer, :, : self._length], self._v[layer, :, : self._length]
+    def trim(self) -> None:
+        """Give back blocks past the history (after a rewind, or a step that did not commit)."""
+        keep = blocks_for(self._length, self.pool.block_size)
+        for block in self.table[keep:]:
+            self.pool.release(block)
+        del self.table[keep:]
+        del self._hashes[self._length // self.pool.block_size :]
+        if self.config.sizing is Sizing.STATIC:
+            # hold back again what was given up, as far as the pool can (a block still shared elsewhere frees nothing)
+            take = min(self.max_blocks - len(self.table) - self._reserved, max(self.pool.available(), 0))
+            self.pool.reserve(take)
+            self._reserved += take
 
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k [H_kv, n, D] and v [H_kv, n, D_v] after the history of `layer` (room must be reserved).
+
+        Returns a copy of the layer's whole history including them: [H_kv, length + n, D], [H_kv, length + n, D_v].
+        The length does not move until commit(n), so a step that fails midway leaves the history intact.
+        """
+        n, b = k.shape[1], self.pool.block_size
+        assert self._length + n <= self.allocated, "reserve() must run before write()"
+        slots = torch.arange(self._length, self._length + n)
+        blocks = torch.tensor(self.table, dtype=torch.long)[slots // b]
+        self.pool.k[blocks, layer, :, slots % b] = k.transpose(0, 1).to(self.pool.k.dtype)  # [n, H_kv, D]
+        self.pool.v[blocks, layer, :, slots % b] = v.transpose(0, 1).to(self.pool.v.dtype)
+        return self.history(layer, self._length + n)
+
+    def history(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [H_kv, end, D] and V [H_kv, end, D_v] of one layer, gathered from the blocks (copies)."""
+        end = self._length if end is None else end
+        blocks = torch.tensor(self.table[: blocks_for(end, self.pool.block_size)], dtype=torch.long)
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            rows = pool[blocks, layer]  # [nb, H_kv, B, D]
+            return rows.transpose(0, 1).reshape(rows.shape[1], -1, rows.shape[-1])[:, :end]  # [H_kv, nb * B, D] -> [H_kv, end, D]
+
+        return gather(self.pool.k), gather(self.pool.v)
+
+    # ---- history edits -------------------------------------------------------------------------
     def rewind(self, n: int) -> None:
-        """Forget the last n tokens."""
+        """Forget the last n tokens (blocks no longer needed go back to the pool)."""
         if not isinstance(n, int) or n < 0 or n > self._length:
             raise ValueError(f"rewind(n) needs 0 <= n <= length ({self._length}), got {n!r}")
         self._length -= n
+        self.trim()
 
     def reset(self) -> None:
-        """Forget every token; a DYNAMIC cache also gives its memory back."""
+        """Forget every token; a DYNAMIC cache gives its blocks back, a STATIC one keeps its reservation."""
+        self.rewind(self._length)
+
+    def release(self) -> None:
+        """Give every block and reservation back to the pool; the cache is empty afterwards."""
+        self.pool.unreserve(self._reserved)
+        self._reserved = 0
         self._length = 0
-        if self.config.sizing is Sizing.DYNAMIC:
-            self._k, self._v = self._allocate(0)
+        for block in self.table:
+            self.pool.release(block)
+        self.table, self._hashes = [], []
+
+    def publish(self, tokens: Sequence[int]) -> None:
+        """Index the full blocks of the history, whose token ids are tokens[:length], for prefix reuse."""
+        b = self.pool.block_size
+        for i in range(len(self._hashes), self._length // b):
+            digest = chain_hash(self._hashes[-1] if self._hashes else b"", tokens[i * b : (i + 1) * b])
+            self.pool.publish(self.table[i], digest)
+            self._hashes.append(digest)
+
+    def attach_prefix(self, tokens: Sequence[int]) -> int:
+        """Start an empty cache from the longest cached prefix of `tokens` (whole blocks) -> tokens reused."""
+        assert self._length == 0 and not self.table, "only an empty cache attaches a prefix"
+        limit = min(len(tokens), self.config.capacity)
+        hashes = prefix_hashes(tokens[:limit], self.pool.block_size)
+        self.table = self.pool.match(hashes)
+        self._take()
+        self._hashes = hashes[: len(self.table)]
+        self._length = len(self.table) * self.pool.block_size
+        return self._length
+
+    def fork(self, key: str = "") -> SessionCache:
+        """A cache with the same history that shares every block; either side copies a block it writes into."""
+        child = SessionCache(self.config, self.pool, key)
+        for block in self.table:
+            self.pool.share(block)
+        child.table, child._hashes, child._length = list(self.table), list(self._hashes), self._length
+        child._take()
+        return child
+
+    def _take(self) -> None:
+        """Blocks joined the table without an allocation: hold back no more than the rest of the capacity."""
+        excess = max(0, self._reserved - (self.max_blocks - len(self.table)))
+        self.pool.unreserve(excess)
+        self._reserved -= excess
 
     def __repr__(self) -> str:
         c = self.config

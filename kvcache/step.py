@@ -1,29 +1,48 @@
-"""One forward's worth of cache work: which session owns which span of the flat token axis."""
+"""One forward's worth of cache work: which session owns which span of the flat token axis.
+
+Lifecycle: begin (every span validated, room reserved in the pool; nothing else changes) -> the
+forward's layers -> commit (every span's length moves) or abort (reserved blocks go back). So a refused
+step changes no session, and one that fails midway leaves every committed length as it was.
+
+With the native kernels loaded, a begun step is bound to the thread that began it
+(kernels/bound_step.cpp) and the forward's layers run in C++ straight from the graph; calls the kernel
+does not take come to `attend` below, which raises the typed errors or serves them itself.
+"""
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.nn.functional as F
 
-from .errors import CacheError, PositionMismatch
+from .errors import CacheError, PoolExhausted, PositionMismatch
 from .session_cache import SessionCache
 
+_THREAD = threading.local()  # the step each thread's forwards serve (set through a registry)
 
-# Longer spans go to SDPA. The native kernel attends a span token by token, yet measured faster than
-# SDPA at every length tried, up to this one (512-token prefill, 30 layers: 95 against 147 ms on float16
-# caches, which SDPA must first widen; mixed decode + 32-token chunk steps: 10 against 15 ms).
-NATIVE_MAX_SPAN = 512
-NATIVE_DTYPES = (torch.float32, torch.float16)  # cache dtypes kvcache_native::attend_spans reads
+
+def bind(step: ActiveStep | None) -> None:
+    previous = getattr(_THREAD, "step", None)
+    if previous is not None and previous is not step:
+        previous.unbind()
+    _THREAD.step = step
+    if step is not None:
+        step.bind()
+
+
+def bound() -> ActiveStep | None:
+    """The step this thread's forwards serve, if any."""
+    return getattr(_THREAD, "step", None)
 
 
 class ActiveStep:
     """Spans of the token axis, in order, each owned by one session cache.
 
-    Layer 0 of a forward validates every span (positions continue each history, every session fits)
-    and reserves room before any layer writes; the last layer commits every span's length. So a
-    refused step changes no session, and one that fails midway leaves every committed length as it was.
+    auto_commit: the forward's last layer commits (the library API: a forward extends the caches).
+    Otherwise the caller commits or aborts after the forward, and every layer may run natively.
     """
 
-    def __init__(self, spans: list[tuple[SessionCache, int]], native: bool = False) -> None:
+    def __init__(self, spans: list[tuple[SessionCache, int | None]], native: bool = False, auto_commit: bool = True) -> None:
         if not spans:
             raise CacheError("an active step needs at least one span")
         n_layers = {cache.config.n_layers for cache, _ in spans}
@@ -31,96 +50,144 @@ class ActiveStep:
             raise CacheError(f"caches of one step must have the same number of layers, got {sorted(n_layers)}")
         if len({id(cache) for cache, _ in spans}) != len(spans):
             raise CacheError("a session may own only one span of a step")
-        self.spans = spans
-        self.n_layers = n_layers.pop()
-        self.native = native  # kvcache_native::attend_spans is loaded: short float32/float16 spans skip the Python loop
-        self._next_layer: int | None = None  # None: no forward in progress
-        self._armed = False  # the native kernel holds layers 1..L-2 of this forward (kernels/armed_step.cpp)
+        dtypes = {cache.config.dtype for cache, _ in spans}
+        if native and len(dtypes) != 1:
+            native = False  # the kernel reads one cache dtype a call
+        self.spans, self.n_layers, self.native, self.auto_commit = spans, n_layers.pop(), native, auto_commit
+        self.sizes: list[int] | None = None  # set by begin
+        self._next_layer = 0  # the Python path's count of layers run (the native kernel keeps its own)
+        self._bound = False
+        if all(n is not None for _, n in spans):
+            self.begin(sum(n for _, n in spans))
 
-    def _begin(self, position: torch.Tensor, n_tokens: int) -> None:
+    # ---- lifecycle -----------------------------------------------------------------------------
+    @property
+    def begun(self) -> bool:
+        return self.sizes is not None
+
+    def begin(self, n_tokens: int) -> None:
+        """Validate every span and reserve its room; raises (changing nothing) if any does not fit."""
         # A span of None tokens (a lone session activated by key) owns the whole step.
         sizes = [n_tokens if n is None else n for _, n in self.spans]
         if sum(sizes) != n_tokens:
             raise CacheError(f"the active spans cover {sum(sizes)} tokens but the step carries {n_tokens}")
-        # one tensor from a Python list: a torch.arange per span cost ~30 us each, 1-2 ms a step at 32 sessions
-        expected = torch.tensor([p for (c, _), n in zip(self.spans, sizes) for p in range(c.length, c.length + n)])
-        got = position.reshape(-1)
-        if not torch.equal(got.to(torch.int64), expected):
-            for (cache, _), n, start in zip(self.spans, sizes, _starts(sizes)):
-                span = got[start : start + n].tolist()
-                if span != list(range(cache.length, cache.length + n)):
-                    raise PositionMismatch(
-                        f"cache {cache.key!r} holds {cache.length} tokens, so its span must have positions "
-                        f"{cache.length}..{cache.length + n - 1}; got {span[:4]}{'...' if n > 4 else ''}"
-                    )
         for (cache, _), n in zip(self.spans, sizes):
             cache.check_extend(n)  # every session is checked before any grows
+        demand: dict[int, int] = {}
+        for (cache, _), n in zip(self.spans, sizes):
+            demand[id(cache.pool)] = demand.get(id(cache.pool), 0) + cache.pool_demand(n)
+        for cache, _ in self.spans:
+            if demand[id(cache.pool)] > cache.pool.available():
+                raise PoolExhausted(demand[id(cache.pool)], cache.pool.available())
         for (cache, _), n in zip(self.spans, sizes):
             cache.reserve(n)
-        self.sizes = sizes
-        self.offsets = _starts(sizes)
-        # Spans the C++ kernel takes (storage is final now that every reserve has run); the rest use SDPA.
-        # The kernel reads float32 or float16 caches, one dtype a call: the first short span's.
-        native_dtype = next((c.config.dtype for c, _ in self.spans if c.config.dtype in NATIVE_DTYPES), None)
-        self.short = [
-            i for i, ((cache, _), n) in enumerate(zip(self.spans, sizes))
-            if self.native and n <= NATIVE_MAX_SPAN and cache.config.dtype == native_dtype
-        ]
-        self.long = sorted(set(range(len(sizes))) - set(self.short))
-        storage = [self.spans[i][0].storage() for i in self.short]
-        self.short_args = (
-            [k for k, _ in storage], [v for _, v in storage], [self.offsets[i] for i in self.short],
-            [self.spans[i][0].length for i in self.short], [sizes[i] for i in self.short],
-        )
+        self.sizes, self.offsets = sizes, _starts(sizes)
+        self.lengths = [cache.length for cache, _ in self.spans]
+        self._next_layer = 0
 
+    def next_layer(self) -> int:
+        return torch.ops.kvcache_native.bound_next_layer() if self._bound else self._next_layer
+
+    def commit(self) -> None:
+        """Every span's tokens join its history; the step can begin again."""
+        if not self.begun:
+            raise CacheError("commit() needs a begun step")
+        if self.next_layer() != self.n_layers:
+            raise CacheError(f"the forward ran {self.next_layer()} of {self.n_layers} layers; abort() the step instead")
+        for (cache, _), n in zip(self.spans, self.sizes):
+            cache.commit(n)
+        self._end()
+
+    def abort(self) -> None:
+        """Give back what begin reserved; every history stays as it was."""
+        if self.begun:
+            for cache, _ in self.spans:
+                cache.trim()
+            self._end()
+
+    def _end(self) -> None:
+        self.sizes = None
+        self.unbind()
+
+    # ---- the native binding --------------------------------------------------------------------
+    def bind(self) -> None:
+        if not (self.native and self.begun):
+            return
+        caches = [cache for cache, _ in self.spans]
+        starts, flat = [], []
+        for cache in caches:
+            starts.append(len(flat))
+            flat.extend(cache.table)
+        # auto_commit leaves the last layer to the Python path, which commits
+        native_layers = self.n_layers - 1 if self.auto_commit else self.n_layers
+        torch.ops.kvcache_native.bind_step(
+            [c.pool.k for c in caches], [c.pool.v for c in caches], torch.tensor(flat, dtype=torch.long),
+            starts, self.offsets, self.lengths, self.sizes, native_layers,
+        )
+        self._bound = True
+
+    def unbind(self) -> None:
+        if self._bound:
+            self._bound = False
+            torch.ops.kvcache_native.unbind_step()
+
+    # ---- the Python path -----------------------------------------------------------------------
     def attend(self, q, k, v, position, layer_id: int, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
         if q.shape[0] != 1:
             raise CacheError(f"the token axis is flat: batch must be 1, got {q.shape[0]}")
         if layer_id == 0:
-            self._next_layer = None
-            if self.native:
-                self.disarm()  # a step armed before (this one or another) never carries into a new forward
-            self._begin(position, q.shape[2])
-        elif self._armed:
-            self._next_layer = self.disarm()  # the native kernel ran the layers up to the one it handed back
-        if layer_id > 0 and self._next_layer != layer_id:
-            self._next_layer = None
+            self._start_forward(position, q.shape[2])
+        elif not self.begun or self.next_layer() != layer_id:
             raise CacheError(f"layers must run in order 0..{self.n_layers - 1}; got layer {layer_id} out of turn")
-        if self.short and q.dtype == torch.float32:
-            out = self._attend_native(q, k, v, layer_id, scale)
+        if self.native and not self._bound:
+            self.bind()
+        if self._bound:
+            out = torch.ops.kvcache_native.attend_bound(q.float(), k.float(), v.float(), layer_id, scale)
         else:
-            out = self._attend_each(q, k, v, layer_id, scale, range(len(self.spans)))
-        self._next_layer = layer_id + 1
-        if layer_id == 0 and self.short and not self.long and q.dtype == torch.float32 and self.n_layers > 2:
-            torch.ops.kvcache_native.arm_step(*self.short_args, 1, self.n_layers - 2)
-            self._armed = True
-        if layer_id == self.n_layers - 1:
-            for (cache, _), n in zip(self.spans, self.sizes):
-                cache.commit(n)
-            self._next_layer = None
+            out = self._attend_each(q, k, v, layer_id, scale)
+            self._next_layer = layer_id + 1
+        if layer_id == self.n_layers - 1 and self.auto_commit:
+            self.commit()
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
-    def disarm(self) -> int:
-        """Take back the layers the native kernel holds -> the next layer it expected (-1: none armed)."""
-        self._armed = False
-        return torch.ops.kvcache_native.disarm_step()
+    def _start_forward(self, position: torch.Tensor, n_tokens: int) -> None:
+        if self.begun and self.next_layer() != 0:
+            if self.auto_commit:
+                self.abort()  # the last forward failed midway: its reservation goes back first
+            else:
+                raise CacheError("a forward must be committed or aborted before the next one starts")
+        if not self.begun:
+            self.begin(n_tokens)
+        try:
+            if sum(self.sizes) != n_tokens:
+                raise CacheError(f"the active spans cover {sum(self.sizes)} tokens but the step carries {n_tokens}")
+            self._check_positions(position)
+        except CacheError:
+            self.abort()
+            raise
 
-    def _attend_each(self, q, k, v, layer_id: int, scale: float, which) -> torch.Tensor:
-        """Write and attend span by span with SDPA -> [1, H_q, S_which, D_v] (the listed spans' rows, in order)."""
+    def _check_positions(self, position: torch.Tensor) -> None:
+        # one tensor from a Python list: a torch.arange per span costs more at 32 sessions
+        expected = torch.tensor([p for start, n in zip(self.lengths, self.sizes) for p in range(start, start + n)])
+        got = position.reshape(-1)
+        if torch.equal(got.to(torch.int64), expected):
+            return
+        for (cache, _), start, n, at in zip(self.spans, self.lengths, self.sizes, self.offsets):
+            span = got[at : at + n].tolist()
+            if span != list(range(start, start + n)):
+                raise PositionMismatch(
+                    f"cache {cache.key!r} holds {start} tokens, so its span must have positions "
+                    f"{start}..{start + n - 1}; got {span[:4]}{'...' if n > 4 else ''}"
+                )
+
+    def _attend_each(self, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
+        """Write and attend span by span with SDPA, over histories gathered from the blocks -> [1, H_q, S, D_v]."""
         outs = []
-        for i in which:
-            start, n, cache = self.offsets[i], self.sizes[i], self.spans[i][0]
+        for (cache, _), start, n in zip(self.spans, self.offsets, self.sizes):
             qi = q[:, :, start : start + n]  # [1, H_q, n, D]
             ki, vi = k[0, :, start : start + n], v[0, :, start : start + n]  # [H_kv, n, D]
             outs.append(_attend(qi, *cache.write(layer_id, ki, vi), scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-
-    def _attend_native(self, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
-        out = torch.ops.kvcache_native.attend_spans(q, k, v, layer_id, scale, *self.short_args)  # [1, H_q, S, D_v]
-        for i in self.long:
-            start, n = self.offsets[i], self.sizes[i]
-            out[:, :, start : start + n] = self._attend_each(q, k, v, layer_id, scale, [i])
-        return out
 
 
 def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:

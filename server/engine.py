@@ -181,10 +181,8 @@ class Engine:
         if need > self.pool.budget:
             raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
-        reused = min(keep, session.cached_length)
         req = Request(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
-                      cached_tokens=reused if resend else 0, inject_fault=inject_fault,
-                      history_before=list(session.tokens), kept=keep, sink=self._post)
+                      inject_fault=inject_fault, history_before=list(session.tokens), kept=keep, sink=self._post)
         session.truncate(keep)
         session.tokens.extend(new)
         if not session.pending and params.max_tokens > 0 and session.cache is not None:
@@ -268,12 +266,16 @@ class Engine:
                     m.tpot.observe((req.last_token_at - req.first_token_at) / (f.completion_tokens - 1))
         m.preemptions.inc(self.scheduler.take_preemptions())
         m.evictions.inc(self.scheduler.take_evictions())
+        queries, hits = self.scheduler.take_prefix_counts()
+        m.prefix_queries.inc(queries)
+        m.prefix_hits.inc(hits)
         m.sessions.set(len(self.sessions))
 
     def _update_gauges(self) -> None:
         used = self.pool.used()
         self.metrics.kv_bytes.set(used)
         self.metrics.kv_usage.set(used / self.pool.budget)
+        self.metrics.kv_cached_bytes.set(self.pool.blocks.n_cached() * self.pool.blocks.block_bytes)
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting))
 

@@ -1,44 +1,54 @@
-"""Session caches in the registry, under one byte budget (static caches count their full capacity)."""
+"""The engine's KV memory: one block pool under the KV budget, and the session caches it holds."""
 from __future__ import annotations
 
-from kvcache import CacheConfig, CacheRegistry, SessionCache, Sizing
-from kvcache.session_cache import grown_allocation
+from kvcache import BlockPool, CacheConfig, CacheRegistry, SessionCache
+from kvcache.session_cache import blocks_for
 
 from .session import Session
 
 
 class KVPool:
-    """Installs, measures and drops session caches; the scheduler plans steps against `budget`."""
+    """Installs session caches on the engine's block pool (attaching cached prefixes), forks and drops them."""
 
     def __init__(self, registry: CacheRegistry, budget: int, layout: CacheConfig) -> None:
         self.registry = registry
-        self.budget = budget
         self.layout = layout  # n_layers, heads, dims and dtype; capacity and sizing come per session
+        self.blocks = BlockPool.for_budget(layout, budget)
+        self.budget = self.blocks.n_blocks * self.blocks.block_bytes
 
     def config_for(self, session: Session) -> CacheConfig:
         l = self.layout
         return CacheConfig(l.n_layers, l.n_kv_heads, l.head_dim, session.capacity, l.v_head_dim, session.sizing, l.dtype)
 
     def used(self) -> int:
-        return self.registry.total_bytes()
+        """Bytes referenced by caches or held back for static ones (cached prefixes nobody holds excluded)."""
+        return (self.blocks.n_used() + self.blocks.reserved) * self.blocks.block_bytes
+
+    def blocks_for(self, tokens: int) -> int:
+        return blocks_for(tokens, self.blocks.block_size)
 
     def full_bytes(self, capacity: int) -> int:
-        return self.layout.bytes_per_token() * capacity
+        return self.blocks_for(capacity) * self.blocks.block_bytes
 
-    def growth(self, session: Session, n: int) -> int:
-        """Bytes the pool grows by if `session` runs n more tokens (installing its cache if needed)."""
-        if session.cache is None:
-            alloc = session.capacity if session.sizing is Sizing.STATIC else grown_allocation(0, n, session.capacity)
-            return self.layout.bytes_per_token() * alloc
-        return session.cache.bytes_after(n) - session.cache.nbytes
-
-    def ensure(self, session: Session) -> None:
-        if session.cache is None:
-            session.cache = self.registry.install(session.id, SessionCache(self.config_for(session)))
+    def ensure(self, session: Session, reuse: Session | None = None) -> None:
+        """Give a session without a cache one, starting from `reuse`'s KV (a fork) or from the longest
+        cached prefix of its history. Raises PoolExhausted (nothing installed) if a static one cannot reserve."""
+        if session.cache is not None:
+            return
+        if reuse is not None and reuse.cache is not None:
+            cache = reuse.cache.fork()
+            keep = min(cache.length, len(session.tokens) - 1)
+            if session.tokens[:keep] != reuse.tokens[:keep]:
+                keep = 0
+            cache.rewind(cache.length - keep)
+        else:
+            cache = SessionCache(self.config_for(session), self.blocks)
+            # the last token is always run again: its logits start the reply
+            cache.attach_prefix(session.tokens[: len(session.tokens) - 1])
+        session.cache = self.registry.install(session.id, cache)
 
     def drop(self, session: Session) -> None:
-        """Free a session's KV; its token history stays, so a later prefill rebuilds it."""
+        """Free a session's KV; its full blocks stay cached for a later prefix hit, its history stays too."""
         if session.cache is not None:
             self.registry.uninstall(session.id)
             session.cache = None
-

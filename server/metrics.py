@@ -31,12 +31,15 @@ class Metrics:
         self.running = gauge("kvserve:num_requests_running", "Requests in the running set")
         self.waiting = gauge("kvserve:num_requests_waiting", "Requests waiting for admission")
         self.kv_usage = gauge("kvserve:kv_cache_usage_perc", "Fraction of the KV budget held by caches")
-        self.kv_bytes = gauge("kvserve:kv_cache_usage_bytes", "Bytes held by installed caches")
+        self.kv_bytes = gauge("kvserve:kv_cache_usage_bytes", "Bytes of the KV pool held by sessions (static reservations included)")
+        self.kv_cached_bytes = gauge("kvserve:kv_cache_cached_bytes", "Bytes of the KV pool kept as reusable prefixes, held by no session")
         self.sessions = gauge("kvserve:num_sessions", "Sessions alive (persistent and temporary)")
         self.prompt_tokens = counter("kvserve:prompt_tokens", "Prompt tokens prefilled (reused KV excluded)")
         self.generation_tokens = counter("kvserve:generation_tokens", "Generated tokens")
         self.preemptions = counter("kvserve:num_preemptions", "Running requests preempted for KV memory")
         self.evictions = counter("kvserve:num_session_evictions", "Idle sessions whose KV was evicted")
+        self.prefix_queries = counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the KV (sessions and prefix cache)")
+        self.prefix_hits = counter("kvserve:prefix_cache_hits", "Prompt tokens found in the KV, not prefilled")
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
 
     def finished(self, reason: str) -> None:

@@ -48,7 +48,8 @@ class ModelRunner:
             at += len(c.tokens)
             if c.sample:
                 ends.append(at - 1)  # the last row of a chunk predicts the token after it
-        self.registry.set_active([(c.session_id, len(c.tokens)) for c in batch.chunks])
+        # activate (validate, reserve) -> forward -> commit; a forward that raises gives the reservation back
+        step = self.registry.activate([(c.session_id, len(c.tokens)) for c in batch.chunks])
         try:
             with torch.inference_mode():
                 logits = self.model.forward(
@@ -56,6 +57,10 @@ class ModelRunner:
                     torch.tensor(positions, dtype=torch.long).unsqueeze(1),  # [n, 1]
                     torch.tensor(ends if ends else [0], dtype=torch.long),  # [m]
                 )
+            step.commit()
+        except BaseException:
+            step.abort()
+            raise
         finally:
             self.registry.set_active(None)
         if batch.inject_fault:

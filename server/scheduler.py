@@ -1,10 +1,12 @@
 """Continuous batching: which requests run in the next step, within token, session and KV budgets.
 
-Requests are served first come, first served. Each step gives every running request (oldest first)
-up to the rest of the token budget for its pending tokens -- one for a decode, a chunk for a prefill
--- then admits waiting requests while slots and budget last. KV memory comes from evicting idle
-sessions (least recently used first) and, failing that, from preempting the youngest running
-request, whose KV is dropped and recomputed later from its token history.
+Requests are served first come, first served. Each step first gives every running decode its one
+token, so streams keep pace however many prompts wait; the rest of the token budget goes to prefill
+chunks, of running requests (oldest first) and then of waiting ones as they are admitted. An admitted
+request's session starts from the longest cached prefix of its history (or from its parent's KV, for
+the choices of one `n` > 1 request), so only the rest is prefilled. KV blocks come from the pool's free
+and cached blocks, then from evicting idle sessions (least recently used first) and, failing that,
+from preempting the youngest running request, whose KV is dropped and recomputed later.
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from collections import deque
 
 from .batch import Chunk, StepBatch
 from .config import EngineConfig
+from kvcache import PoolExhausted, Sizing
+
 from .errors import Overloaded, StepFailed
 from .kv_pool import KVPool
 from .sampling import Sampled
@@ -30,6 +34,7 @@ class Scheduler:
         self.by_id: dict[str, Request] = {}
         self.preemptions = 0
         self.evictions = 0
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of those found in the KV
         self._retired: list[Request] = []
 
     def check_room(self) -> None:
@@ -51,44 +56,70 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         self._reap()
         tokens_left = self.config.max_batch_tokens
-        planned = 0  # bytes this step adds to the pool
+        planned = 0  # unreserved blocks this step takes from the pool
         chunks: list[Chunk] = []
-        for req in list(self.running):
+        decodes = [r for r in self.running if len(r.session.pending) == 1]
+        prefills = [r for r in self.running if len(r.session.pending) > 1]
+        for req in decodes + prefills:
             if tokens_left == 0:
                 break
             if req not in self.running:  # preempted while planning an older request
                 continue
             n = min(len(req.session.pending), tokens_left)
-            if n == 0:
-                continue
-            fits, planned = self._make_room(req, n, planned, protect={c.request_id for c in chunks})
-            if not fits:
-                continue
-            chunks.append(self._chunk(req, n))
-            tokens_left -= n
-        while self.waiting and tokens_left > 0 and len(self.running) < self.config.max_running:
-            req = self.waiting[0]
-            n = min(len(req.session.pending), tokens_left)
-            fits, planned = self._make_room(req, n, planned, protect={c.request_id for c in chunks}, preempt=False)
-            if not fits:
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            self.running.append(req)
-            req.admitted_at = req.admitted_at or time.monotonic()
-            self.pool.ensure(req.session)
+            need = req.session.cache.pool_demand(n)
+            fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
+            if fits:
+                chunks.append(self._chunk(req, n))
+                tokens_left -= n
+        for req in list(self.waiting):
+            if tokens_left == 0 or len(self.running) >= self.config.max_running:
+                break
+            if req.parent is not None and not _prefilled(req.parent):
+                continue  # a choice of an n > 1 request forks its parent's prompt once that is in the cache
+            admitted = self._admit(req, tokens_left, planned, protect={c.request_id for c in chunks})
+            if admitted is None:
+                break  # first come, first served: nobody overtakes a request that does not fit
+            n, planned = admitted
             chunks.append(self._chunk(req, n))
             tokens_left -= n
         return StepBatch(tuple(chunks), inject_fault=any(self.by_id[c.request_id].inject_fault for c in chunks))
+
+    def _admit(self, req: Request, tokens_left: int, planned: int, protect: set[str]) -> tuple[int, int] | None:
+        """Install the request's cache (reusing what the pool holds) and plan its first chunk -> (tokens, planned)."""
+        session = req.session
+        created = session.cache is None
+        if created:
+            if session.sizing is Sizing.STATIC:  # it reserves its whole capacity when installed
+                fits, _ = self._make_room(req, self.pool.blocks_for(session.capacity), planned, protect, preempt=False)
+                if not fits:
+                    return None
+            try:
+                self.pool.ensure(session, reuse=req.parent.session if req.parent is not None else None)
+            except PoolExhausted:
+                return None
+        n = min(len(session.pending), tokens_left)
+        fits, planned = self._make_room(req, session.cache.pool_demand(n), planned, protect, preempt=False)
+        if not fits:
+            if created:
+                self.pool.drop(session)  # its shared blocks go back to the cache as they were
+            return None
+        self.waiting.remove(req)
+        self.running.append(req)
+        if req.admitted_at is None:
+            req.admitted(session.cached_length)
+            self.prefix_queries += req.prompt_tokens
+            self.prefix_hits += req.cached_tokens
+        return n, planned
 
     def _chunk(self, req: Request, n: int) -> Chunk:
         s = req.session
         pending = s.pending
         return Chunk(req.id, s.id, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens)
 
-    def _make_room(self, req: Request, n: int, planned: int, protect: set[str], preempt: bool = True):
-        need = self.pool.growth(req.session, n)
-        while self.pool.used() + planned + need > self.pool.budget:
-            idle = self.sessions.resident_idle()
+    def _make_room(self, req: Request, need: int, planned: int, protect: set[str], preempt: bool = True):
+        """Evict idle sessions, then (if allowed) preempt younger requests, until `need` more blocks are free."""
+        while self.pool.blocks.available() - planned < need:
+            idle = [s for s in self.sessions.resident_idle() if s is not req.session]
             if idle:
                 self.pool.drop(idle[0])
                 self.evictions += 1
@@ -135,6 +166,7 @@ class Scheduler:
             if req is None:
                 continue
             assert req.session.cached_length == chunk.start + len(chunk.tokens)
+            req.session.cache.publish(req.session.tokens)  # full blocks become reusable prefixes
             if req.cancelled:
                 req.finish("cancelled")
             elif token is not None:
@@ -167,3 +199,15 @@ class Scheduler:
     def take_evictions(self) -> int:
         n, self.evictions = self.evictions, 0
         return n
+
+    def take_prefix_counts(self) -> tuple[int, int]:
+        """Prompt tokens admitted and, of those, reused from the KV, since the last call."""
+        counts = self.prefix_queries, self.prefix_hits
+        self.prefix_queries = self.prefix_hits = 0
+        return counts
+
+
+def _prefilled(parent: Request) -> bool:
+    """Whether a parent's prompt (all but its last token) is in its cache, or the parent has gone."""
+    s = parent.session
+    return parent.finished is not None or (parent.admitted_at is not None and s.cached_length >= len(parent.prompt_ids) - 1)

@@ -47,8 +47,9 @@ class Request:
     params: SamplingParams
     tokenizer: TextTokenizer
     prompt_tokens: int  # tokens of this request's prompt
-    cached_tokens: int  # of which were reused from the session's resident KV
+    cached_tokens: int = 0  # of which were not prefilled (session KV or cached prefix), known once admitted
     id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
+    parent: Request | None = None  # for the other choices of an n > 1 request: the one that prefills the prompt
     inject_fault: bool = False
     history_before: list[int] = field(default_factory=list)  # the session's history before this request
     kept: int = 0  # how much of history_before the request kept
@@ -71,6 +72,12 @@ class Request:
         self.generator = torch.Generator().manual_seed(seed)
         self.detok = IncrementalDetokenizer(self.tokenizer)
         self.stops = StopMatcher(self.params.stop)
+
+    def admitted(self, cached_length: int) -> None:
+        """First admission: the session holds KV for its first `cached_length` tokens."""
+        self.admitted_at = time.monotonic()
+        prompt_start = len(self.prompt_ids) - self.prompt_tokens  # where this request's prompt begins in the history
+        self.cached_tokens = max(0, cached_length - prompt_start)
 
     def sample_row(self) -> SampleRow:
         return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids)

@@ -1,13 +1,15 @@
-// Attention for many short spans in one call: each span appends its k/v to its session's cache
-// and attends over that session's history, with no per-span Python.
+// Attention for many short spans in one call: each span appends its k/v to its session's blocks in
+// the shared pool and attends over that session's history, read through its block table (no gather).
 //
-// Op contract, kvcache_native::attend_spans (appends to the caches):
+// Op contract, kvcache_native::attend_spans (appends to the pools):
 //   q   [1, H_q, S, D] f32, k [1, H_kv, S, D] f32, v [1, H_kv, S, Dv] f32 (any strides; S is the flat token axis)
-//   k_caches[i] [L, H_kv, alloc_i, D] contiguous, v_caches[i] [L, H_kv, alloc_i, Dv]: every cache
-//       float32, or every cache float16 (half the bytes to read per step; the math stays float32)
+//   k_pools[i] [N, L, H_kv, B, D] contiguous, v_pools[i] [N, L, H_kv, B, Dv]: span i's pool (usually one
+//       pool repeated); every pool float32, or every pool float16 (the math stays float32). B, the block
+//       size, is a power of two of at least 4.
+//   tables: int64, every span's block ids in history order, concatenated; span i's start at table_starts[i]
 //   offsets[i], sizes[i]: span i owns tokens offsets[i] .. offsets[i] + sizes[i] of the step
-//   lengths[i]: tokens already in cache i (the span's k/v land at lengths[i] .. lengths[i] + sizes[i])
-//   returns [1, H_q, S, Dv] f32: rows of the listed spans are filled, other rows are left for the caller
+//   lengths[i]: tokens already in span i's history (its k/v land at lengths[i] .. lengths[i] + sizes[i])
+//   returns [1, H_q, S, Dv] f32
 // Token j of a span sees history 0 .. lengths[i] + j (causal, aligned to the end of the history).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -30,12 +32,21 @@ constexpr int64_t PREFETCH_ROWS = 16;  // history rows (keys) fetched ahead of t
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
+// One (layer, KV head) of a session's history: row t lies in block t / B, at row t % B.
+template <class T>
+struct Paged {
+  const T* const* blocks;  // each block's first row for this layer and head, in history order
+  int shift;               // log2(B)
+  int64_t mask, D;         // B - 1, row width
+  const T* row(int64_t t) const { return blocks[t >> shift] + (t & mask) * D; }
+};
+
 // G query heads of one KV head, one query each, over `visible` keys/values (element type T); NV =
 // head_dim / 8. Each key and value vector is loaded (and widened, for float16) once for all G heads:
 // widening costs about as much as the multiply-adds it feeds.
 template <int NV, int G, class T>
-void attend_group(const float* const* q, const T* keys, const T* values, int64_t visible, float scale, float* const* out,
-                  std::vector<float>& scores) {
+void attend_group(const float* const* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
+                  float* const* out, std::vector<float>& scores) {
   constexpr int D = NV * 8;
   const int64_t stride = (visible + 7) / 8 * 8;
   alignas(32) float qs[G][D];
@@ -44,20 +55,24 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
   scores.resize(G * stride);
   float* sc[G];
   for (int g = 0; g < G; ++g) sc[g] = scores.data() + g * stride;
-  // Scores 4 keys at a time: G x 4 accumulators, each reduced to its sum by a hadd tree.
+  // Scores 4 keys at a time (B is a multiple of 4, so the 4 rows share a block): G x 4 accumulators,
+  // each reduced to its sum by a hadd tree.
   int64_t t = 0;
   for (; t + 4 <= visible; t += 4) {
+    const T* krows = keys.row(t);
     // History rows are cold: fetch keys PREFETCH_ROWS ahead, and these rows' values for the second pass.
+    const char* ahead = t + PREFETCH_ROWS < visible ? reinterpret_cast<const char*>(keys.row(t + PREFETCH_ROWS)) : nullptr;
+    const char* vrows = reinterpret_cast<const char*>(values.row(t));
     for (int j = 0; j < 4 * D * (int)sizeof(T); j += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(keys + (t + PREFETCH_ROWS) * D) + j, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(values + t * D) + j, _MM_HINT_T0);
+      if (ahead) _mm_prefetch(ahead + j, _MM_HINT_T0);
+      _mm_prefetch(vrows + j, _MM_HINT_T0);
     }
     __m256 part[G][4];
     for (int g = 0; g < G; ++g)
       for (int j = 0; j < 4; ++j) part[g][j] = _mm256_setzero_ps();
     for (int i = 0; i < NV; ++i)
       for (int j = 0; j < 4; ++j) {
-        const __m256 k = load8(keys + (t + j) * D + 8 * i);
+        const __m256 k = load8(krows + j * D + 8 * i);
         for (int g = 0; g < G; ++g) part[g][j] = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), k, part[g][j]);
       }
     for (int g = 0; g < G; ++g) {
@@ -65,12 +80,14 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
       _mm_storeu_ps(sc[g] + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));  // keys t..t+3
     }
   }
-  for (; t < visible; ++t)
+  for (; t < visible; ++t) {
+    const T* krow = keys.row(t);
     for (int g = 0; g < G; ++g) {
-      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs[g]), load8(keys + t * D));
-      for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), load8(keys + t * D + 8 * i), a);
+      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs[g]), load8(krow));
+      for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), load8(krow + 8 * i), a);
       sc[g][t] = hsum(a);
     }
+  }
   float inv[G];
   for (int g = 0; g < G; ++g) {
     for (int64_t u = visible; u < stride; ++u) sc[g][u] = -INFINITY;
@@ -91,10 +108,11 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
     for (int64_t u = 0; u < visible; ++u) {
+      const T* vrow = values.row(u) + 32 * quarter;
       __m256 p[G];
       for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(sc[g] + u);
       for (int i = 0; i < 4; ++i) {
-        const __m256 v = load8(values + u * D + 8 * (4 * quarter + i));
+        const __m256 v = load8(vrow + 8 * i);
         for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(p[g], v, acc[g][i]);
       }
     }
@@ -106,8 +124,8 @@ void attend_group(const float* const* q, const T* keys, const T* values, int64_t
 
 // The n query heads of one KV head, in groups of up to 3 (the registers' limit), for one token.
 template <int NV, class T>
-void attend_heads(const float* const* q, const T* keys, const T* values, int64_t visible, float scale, float* const* out,
-                  int64_t n, std::vector<float>& scores) {
+void attend_heads(const float* const* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
+                  float* const* out, int64_t n, std::vector<float>& scores) {
   int64_t g = 0;
   for (; g + 3 <= n; g += 3) attend_group<NV, 3>(q + g, keys, values, visible, scale, out + g, scores);
   if (n - g == 2) attend_group<NV, 2>(q + g, keys, values, visible, scale, out + g, scores);
@@ -116,20 +134,23 @@ void attend_heads(const float* const* q, const T* keys, const T* values, int64_t
 
 // Any head dims: the same math, scalar.
 template <class T>
-void attend_one_any(const float* q, const T* keys, const T* values, int64_t visible, float scale, int64_t D,
-                    int64_t Dv, float* out, std::vector<float>& scores) {
+void attend_one_any(const float* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
+                    int64_t D, int64_t Dv, float* out, std::vector<float>& scores) {
   scores.resize(visible);
   float top = -INFINITY;
   for (int64_t t = 0; t < visible; ++t) {
+    const T* krow = keys.row(t);
     float s = 0.0f;
-    for (int64_t i = 0; i < D; ++i) s += q[i] * static_cast<float>(keys[t * D + i]);
+    for (int64_t i = 0; i < D; ++i) s += q[i] * static_cast<float>(krow[i]);
     top = std::max(top, scores[t] = s * scale);
   }
   float total = 0.0f;
   for (int64_t t = 0; t < visible; ++t) total += scores[t] = std::exp(scores[t] - top);
   std::fill(out, out + Dv, 0.0f);
-  for (int64_t t = 0; t < visible; ++t)
-    for (int64_t i = 0; i < Dv; ++i) out[i] += scores[t] / total * static_cast<float>(values[t * Dv + i]);
+  for (int64_t t = 0; t < visible; ++t) {
+    const T* vrow = values.row(t);
+    for (int64_t i = 0; i < Dv; ++i) out[i] += scores[t] / total * static_cast<float>(vrow[i]);
+  }
 }
 
 // Rows [n, D] of float32 -> the cache's element type.
@@ -140,37 +161,51 @@ inline void store_rows(float* dst, const float* src, int64_t count) { std::memcp
 
 template <class T>
 void append_and_attend(const float* qp, const float* kp, const float* vp, float* op, int64_t layer, float scale,
-                       at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef offsets,
-                       at::IntArrayRef lengths, at::IntArrayRef sizes, int64_t Hq, int64_t Hkv, int64_t S, int64_t D,
-                       int64_t Dv) {
+                       at::TensorList k_pools, at::TensorList v_pools, const int64_t* tables,
+                       at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
+                       at::IntArrayRef sizes, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t Dv) {
   const int64_t n_spans = offsets.size(), group = Hq / Hkv;
-  std::vector<T*> kc(n_spans), vc(n_spans);
-  std::vector<int64_t> alloc(n_spans);
+  const int64_t L = k_pools[0].size(1), B = k_pools[0].size(3);
+  const int shift = __builtin_ctzll(B);
+  // Where (block, layer, head) begins in a pool: blocks are [L, H_kv, B, D] each.
+  std::vector<T*> kbase(n_spans), vbase(n_spans);
   for (int64_t i = 0; i < n_spans; ++i) {
-    alloc[i] = k_caches[i].size(2);
-    kc[i] = k_caches[i].data_ptr<T>() + layer * Hkv * alloc[i] * D;
-    vc[i] = v_caches[i].data_ptr<T>() + layer * Hkv * alloc[i] * Dv;
+    kbase[i] = k_pools[i].data_ptr<T>() + layer * Hkv * B * D;
+    vbase[i] = v_pools[i].data_ptr<T>() + layer * Hkv * B * Dv;
   }
-  // Append first, so every query below can read its own token's k/v from the cache.
+  const auto key_block = [&](int64_t i, int64_t block, int64_t h) { return kbase[i] + (block * L * Hkv + h) * B * D; };
+  const auto value_block = [&](int64_t i, int64_t block, int64_t h) { return vbase[i] + (block * L * Hkv + h) * B * Dv; };
+  // Append first, so every query below can read its own token's k/v from its block.
   for (int64_t i = 0; i < n_spans; ++i)
-    for (int64_t h = 0; h < Hkv; ++h) {
-      const int64_t rows = sizes[i], at_token = offsets[i], at_slot = lengths[i];
-      store_rows(kc[i] + (h * alloc[i] + at_slot) * D, kp + (h * S + at_token) * D, rows * D);
-      store_rows(vc[i] + (h * alloc[i] + at_slot) * Dv, vp + (h * S + at_token) * Dv, rows * Dv);
+    for (int64_t j = 0; j < sizes[i]; ++j) {
+      const int64_t slot = lengths[i] + j, token = offsets[i] + j;
+      const int64_t block = tables[table_starts[i] + (slot >> shift)], row = slot & (B - 1);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        store_rows(key_block(i, block, h) + row * D, kp + (h * S + token) * D, D);
+        store_rows(value_block(i, block, h) + row * Dv, vp + (h * S + token) * Dv, Dv);
+      }
     }
   // One job per (span, KV head): its query heads share each history row as it is read.
-  const auto keys_of = [&](int64_t job) { return kc[job / Hkv] + job % Hkv * alloc[job / Hkv] * D; };
   at::parallel_for(0, n_spans * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const float*> qs(group);
     std::vector<float*> os(group);
+    std::vector<const T*> kblocks, vblocks;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / Hkv, hk = job % Hkv;
-      const T* keys = keys_of(job);
-      const T* values = vc[i] + hk * alloc[i] * Dv;
+      const int64_t n_blocks = (lengths[i] + sizes[i] + B - 1) >> shift;
+      kblocks.resize(n_blocks);
+      vblocks.resize(n_blocks);
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t block = tables[table_starts[i] + b];
+        kblocks[b] = key_block(i, block, hk);
+        vblocks[b] = value_block(i, block, hk);
+      }
+      const Paged<T> keys{kblocks.data(), shift, B - 1, D}, values{vblocks.data(), shift, B - 1, Dv};
       if (job + 1 < end) {  // each job's history lies elsewhere in memory: start the next one's first keys now
-        const char* next = reinterpret_cast<const char*>(keys_of(job + 1));
-        const int64_t rows = std::min<int64_t>(lengths[(job + 1) / Hkv] + 1, PREFETCH_ROWS);
+        const int64_t ni = (job + 1) / Hkv;
+        const char* next = reinterpret_cast<const char*>(key_block(ni, tables[table_starts[ni]], (job + 1) % Hkv));
+        const int64_t rows = std::min<int64_t>({lengths[ni] + 1, PREFETCH_ROWS, B});
         for (int64_t b = 0; b < rows * D * (int64_t)sizeof(T); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
       }
       for (int64_t j = 0; j < sizes[i]; ++j) {
@@ -196,43 +231,58 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
 namespace kvcache_kernels {
 
 at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t layer,
-                        double scale, at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef offsets,
-                        at::IntArrayRef lengths, at::IntArrayRef sizes) {
+                        double scale, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& tables,
+                        at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
+                        at::IntArrayRef sizes) {
   const int64_t n_spans = offsets.size();
-  TORCH_CHECK(n_spans > 0 && k_caches.size() == n_spans && v_caches.size() == n_spans && lengths.size() == n_spans &&
-                  sizes.size() == n_spans, "one cache pair, offset, length and size per span, at least one span");
+  TORCH_CHECK(n_spans > 0 && k_pools.size() == n_spans && v_pools.size() == n_spans && lengths.size() == n_spans &&
+                  sizes.size() == n_spans && table_starts.size() == n_spans,
+              "one pool pair, table start, offset, length and size per span, at least one span");
   TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && k_in.dim() == 4 && k_in.size(0) == 1 && v_in.dim() == 4 &&
                   v_in.size(0) == 1, "q, k, v must be [1, H, S, D]");
   // Batch is 1, so a contiguous [1, H, S, D] is laid out as [H, S, D] (no select: a view costs ~1 us a call).
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attend_spans works in float32");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 1 && tables.is_contiguous(), "tables must be int64 [n]");
   const int64_t Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
-  const at::ScalarType cache_type = k_caches[0].scalar_type();
-  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kHalf, "caches must be float32 or float16");
+  const at::ScalarType pool_type = k_pools[0].scalar_type();
+  TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf, "pools must be float32 or float16");
+  const int64_t L = k_pools[0].size(1), B = k_pools[0].size(3), n_table = tables.size(0);
+  TORCH_CHECK(B >= 4 && (B & (B - 1)) == 0, "the block size must be a power of two, at least 4");
+  const int64_t* table = tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < n_spans; ++i) {
-    const at::Tensor &kt = k_caches[i], &vt = v_caches[i];
-    TORCH_CHECK(kt.scalar_type() == cache_type && vt.scalar_type() == cache_type && kt.is_contiguous() &&
-                    vt.is_contiguous() && kt.size(1) == Hkv && kt.size(3) == D && vt.size(3) == Dv && layer < kt.size(0),
-                "cache ", i, " does not match the step's dtype, heads, dims or layers");
+    const at::Tensor &kt = k_pools[i], &vt = v_pools[i];
+    TORCH_CHECK(kt.dim() == 5 && vt.dim() == 5 && kt.scalar_type() == pool_type && vt.scalar_type() == pool_type &&
+                    kt.is_contiguous() && vt.is_contiguous() && kt.size(1) == L && kt.size(2) == Hkv && kt.size(3) == B &&
+                    kt.size(4) == D && vt.size(0) == kt.size(0) && vt.size(1) == L && vt.size(2) == Hkv &&
+                    vt.size(3) == B && vt.size(4) == Dv && layer >= 0 && layer < L,
+                "pool ", i, " does not match the step's dtype, heads, dims, block size or layers");
+    const int64_t n_blocks = (lengths[i] + sizes[i] + B - 1) / B;
     TORCH_CHECK(offsets[i] >= 0 && sizes[i] > 0 && offsets[i] + sizes[i] <= S && lengths[i] >= 0 &&
-                    lengths[i] + sizes[i] <= kt.size(2), "span ", i, " does not fit its cache or the step");
+                    table_starts[i] >= 0 && table_starts[i] + n_blocks <= n_table,
+                "span ", i, " does not fit its block table or the step");
+    for (int64_t b = 0; b < n_blocks; ++b)
+      TORCH_CHECK(table[table_starts[i] + b] >= 0 && table[table_starts[i] + b] < kt.size(0), "span ", i,
+                  " names a block outside its pool");
   }
   at::Tensor out = at::empty({1, Hq, S, Dv}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  if (cache_type == at::kHalf)
-    append_and_attend<Half>(qp, kp, vp, op, layer, (float)scale, k_caches, v_caches, offsets, lengths, sizes, Hq, Hkv, S, D, Dv);
+  if (pool_type == at::kHalf)
+    append_and_attend<Half>(qp, kp, vp, op, layer, (float)scale, k_pools, v_pools, table, table_starts, offsets,
+                            lengths, sizes, Hq, Hkv, S, D, Dv);
   else
-    append_and_attend<float>(qp, kp, vp, op, layer, (float)scale, k_caches, v_caches, offsets, lengths, sizes, Hq, Hkv, S, D, Dv);
+    append_and_attend<float>(qp, kp, vp, op, layer, (float)scale, k_pools, v_pools, table, table_starts, offsets,
+                             lengths, sizes, Hq, Hkv, S, D, Dv);
   return out;
 }
 
 }  // namespace kvcache_kernels
 
 TORCH_LIBRARY(kvcache_native, m) {
-  m.def("attend_spans(Tensor q, Tensor k, Tensor v, int layer, float scale, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, int[] offsets, int[] lengths, int[] sizes) -> Tensor");
+  m.def("attend_spans(Tensor q, Tensor k, Tensor v, int layer, float scale, Tensor(a!)[] k_pools, "
+        "Tensor(b!)[] v_pools, Tensor tables, int[] table_starts, int[] offsets, int[] lengths, int[] sizes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_native, CPU, m) { m.impl("attend_spans", &kvcache_kernels::attend_spans); }

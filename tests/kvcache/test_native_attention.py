@@ -1,18 +1,19 @@
-"""The C++ span attention against the per-span SDPA path it replaces, on the same caches."""
+"""The C++ span attention, reading histories through block tables, against the per-span SDPA path."""
 import pytest
 import torch
 
 from kvcache import REGISTRY, CacheConfig, CacheError, SessionCache, Sizing
 from kvcache.registry import CacheRegistry
-from kvcache.step import NATIVE_MAX_SPAN, ActiveStep
+from kvcache.step import ActiveStep
 
 LAYERS, KV_HEADS, Q_HEADS, DIM = 2, 2, 6, 64
+LONG_SPAN = 516  # longer than any prefill chunk the server plans, across 33 blocks
 
 
 def make_caches(histories, sizing, dtype=torch.float32, kv_heads=KV_HEADS, dim=DIM, layers=LAYERS):
     caches = []
     for i, n in enumerate(histories):
-        c = SessionCache(CacheConfig(layers, kv_heads, dim, capacity=NATIVE_MAX_SPAN + 64, sizing=sizing, dtype=dtype), key=f"s{i}")
+        c = SessionCache(CacheConfig(layers, kv_heads, dim, capacity=LONG_SPAN + 64, sizing=sizing, dtype=dtype), key=f"s{i}")
         c.reserve(n)
         for layer in range(layers):
             c.write(layer, torch.randn(kv_heads, n, dim), torch.randn(kv_heads, n, dim))
@@ -52,7 +53,7 @@ def assert_native_matches_sdpa(exact, sizes, q, k, v):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # float16: the served q4/f16 modes' KV
 @pytest.mark.parametrize("sizing", [Sizing.STATIC, Sizing.DYNAMIC])
-@pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, 40, 1], [2, NATIVE_MAX_SPAN + 4, 1], [5]])
+@pytest.mark.parametrize("sizes", [[1, 1, 1], [1, 3, 1], [2, 40, 1], [2, LONG_SPAN, 1], [5]])
 def test_native_matches_sdpa_and_writes_the_same_history(dtype, sizing, sizes):
     torch.manual_seed(0)
     if not CacheRegistry().native_attention():
@@ -85,43 +86,49 @@ def test_native_matches_sdpa_for_other_head_layouts(kv_heads, q_heads, dim, dtyp
     assert_native_matches_sdpa(exact, sizes, q, k, v)
 
 
-ARMED_LAYERS = 5  # layers 1..3 run in the armed C++ kernel; 0 and 4 on the registry's Python path
+BOUND_LAYERS = 5
 
 
-def test_armed_middle_layers_run_natively_match_sdpa_and_refuse_out_of_turn():
+def test_bound_step_runs_every_layer_natively_matches_sdpa_and_refuses_out_of_turn():
     torch.manual_seed(2)
     if not REGISTRY.native_attention():
         pytest.skip("no AVX2 CPU or compiler here")
     sizes, histories = [1, 2], [7, 3]
-    exact = make_caches(histories, Sizing.DYNAMIC, torch.float16, layers=ARMED_LAYERS)
+    exact = make_caches(histories, Sizing.DYNAMIC, torch.float16, layers=BOUND_LAYERS)
     served = clone(exact)
     s = sum(sizes)
-    q, k, v = (torch.randn(ARMED_LAYERS, 1, h, s, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    q, k, v = (torch.randn(BOUND_LAYERS, 1, h, s, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
     position = torch.tensor([[7], [3], [4]])
     reference = ActiveStep(list(zip(exact, sizes)), native=False)
-    want = [reference.attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32) for i in range(ARMED_LAYERS)]
-    keys = [f"armed-test-{i}" for i in range(len(served))]
+    want = [reference.attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32) for i in range(BOUND_LAYERS)]
+    keys = [f"bound-test-{i}" for i in range(len(served))]
     for key, cache in zip(keys, served):
         REGISTRY.install(key, cache)
     try:
-        # out of turn while armed: layer 2 straight after layer 0 is refused, and no cache grows
-        REGISTRY.set_active(list(zip(keys, sizes)))
+        # out of turn: layer 2 straight after layer 0 is refused, and aborting leaves every cache as it was
+        step = REGISTRY.activate(list(zip(keys, sizes)))
         torch.ops.kvcache.update_and_attend(q[0], k[0], v[0], position, 0, DIM**-0.5, torch.float32)
         with pytest.raises(CacheError, match="out of turn"):
             torch.ops.kvcache.update_and_attend(q[2], k[2], v[2], position, 2, DIM**-0.5, torch.float32)
+        with pytest.raises(CacheError, match="abort"):
+            step.commit()
+        step.abort()
         assert [c.length for c in served] == histories
+        assert [len(c.table) for c in served] == [1, 1]
 
-        REGISTRY.set_active(list(zip(keys, sizes)))
+        step = REGISTRY.activate(list(zip(keys, sizes)))
         with torch.profiler.profile() as prof:
             got = [torch.ops.kvcache.update_and_attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32)
-                   for i in range(ARMED_LAYERS)]
+                   for i in range(BOUND_LAYERS)]
         python_path = [e for e in prof.events() if e.name == "kvcache::attend_active_step"]
-        assert len(python_path) == 2  # the first and last layers only
+        assert python_path == []  # every layer, the first and last included, ran in C++
+        assert [c.length for c in served] == histories  # nothing moves until the runner commits
+        step.commit()
         for w, g in zip(want, got):
             torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
         assert [c.length for c in served] == [8, 5]
         for a, b in zip(exact, served):
-            for layer in range(ARMED_LAYERS):
+            for layer in range(BOUND_LAYERS):
                 for x, y in zip(a.history(layer), b.history(layer)):
                     assert torch.equal(x, y)
     finally:

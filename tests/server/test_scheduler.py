@@ -3,6 +3,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from kvcache import CacheConfig, CacheRegistry, Sizing
+from kvcache.step import ActiveStep
 from models.tokenizer import TextTokenizer, TokenizerMeta
 from server.config import EngineConfig
 from server.errors import Overloaded
@@ -35,18 +36,18 @@ def make(budget_tokens=10_000, **kw):
 def submit(sched, sessions, tokenizer, prompt_len, max_tokens=4, session=None, capacity=64, sizing=Sizing.DYNAMIC):
     s = session or sessions.create(capacity, sizing, persistent=session is not None, owner=None)
     s.tokens.extend(range(1, prompt_len + 1))
-    req = Request(s, SamplingParams(max_tokens=max_tokens, temperature=0.0), tokenizer, prompt_len, 0)
+    req = Request(s, SamplingParams(max_tokens=max_tokens, temperature=0.0), tokenizer, prompt_len, prompt_ids=list(s.tokens))
     sched.add(req)
     return req
 
 
 def run_step(sched, batch, token=7):
     """What the runner does to the caches, then the sampled tokens."""
-    for c in batch.chunks:
-        cache = sched.by_id[c.request_id].session.cache
-        assert cache.length == c.start
-        cache.reserve(len(c.tokens))
-        cache.commit(len(c.tokens))
+    step = ActiveStep([(sched.by_id[c.request_id].session.cache, len(c.tokens)) for c in batch.chunks], auto_commit=False)
+    for c, start in zip(batch.chunks, step.lengths):
+        assert start == c.start
+    step._next_layer = step.n_layers  # no model: every layer "ran"
+    step.commit()
     sched.postprocess(batch, [Sampled(token) for c in batch.chunks if c.sample])
 
 

@@ -1,0 +1,167 @@
+"""One engine's KV memory: fixed-size blocks with reference counts and an index of cached prefixes.
+
+Storage contract: k is [n_blocks, n_layers, n_kv_heads, block_size, head_dim] and v is
+[n_blocks, n_layers, n_kv_heads, block_size, v_head_dim]. A block holds block_size consecutive tokens
+of one history for every layer, so copying or dropping it moves whole tokens.
+
+Why block hashing (vLLM, nano-vllm) rather than a radix tree (SGLang): a session is already a list
+of blocks for the native kernel to read, and a full block's hash chains over the hash of the block
+before it, so finding a cached prefix is one dictionary look-up per block and sharing it is a
+reference count. A radix tree matches at token granularity, but only whole blocks can be shared
+without a copy, and the tree would be a second structure over the same blocks.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from .config import CacheConfig
+from .errors import PoolExhausted
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def chain_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
+    """The identity of a full block: its tokens and, through `previous`, every token before them."""
+    return hashlib.blake2b(previous + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+def prefix_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
+    """Chained hashes of each full block of `tokens`."""
+    out, h = [], b""
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = chain_hash(h, tokens[start : start + block_size])
+        out.append(h)
+    return out
+
+
+class BlockPool:
+    """Blocks shared by every session cache of one engine: free, referenced, or cached for reuse.
+
+    A block is in exactly one state: free (on the free stack), referenced (refs > 0), or cached (refs
+    == 0 but its full, hashed content kept for a later prefix hit, in least-recently-used order).
+    Allocation takes a free block first, then evicts the oldest cached one; a referenced block is never
+    taken. Static caches reserve their capacity up front: `reserved` blocks are held back for them.
+    """
+
+    def __init__(self, layout: CacheConfig, n_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+        if block_size < 4 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two of at least 4, got {block_size}")
+        if n_blocks <= 0:
+            raise ValueError(f"a pool needs at least one block, got {n_blocks}")
+        self.layout, self.n_blocks, self.block_size = layout, n_blocks, block_size
+        shape = (n_blocks, layout.n_layers, layout.n_kv_heads, block_size)
+        # torch.empty maps the pages without touching them: memory becomes resident as blocks are written.
+        self.k = torch.empty(*shape, layout.head_dim, dtype=layout.dtype)
+        self.v = torch.empty(*shape, layout.value_dim, dtype=layout.dtype)
+        self.refs = [0] * n_blocks
+        self._free = list(range(n_blocks - 1, -1, -1))  # a stack: low ids first, so reused pages stay warm
+        self._cached: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.reserved = 0
+
+    @classmethod
+    def for_budget(cls, layout: CacheConfig, budget: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
+        return cls(layout, max(1, budget // (layout.bytes_per_token() * block_size)), block_size)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.layout.bytes_per_token() * self.block_size
+
+    # ---- accounting ------------------------------------------------------------------------
+    def available(self) -> int:
+        """Blocks an unreserved allocation may still take (free, or cached and evictable)."""
+        return len(self._free) + len(self._cached) - self.reserved
+
+    def n_free(self) -> int:
+        return len(self._free)
+
+    def n_cached(self) -> int:
+        return len(self._cached)
+
+    def n_used(self) -> int:
+        return self.n_blocks - len(self._free) - len(self._cached)
+
+    def reserve(self, n: int) -> None:
+        if n > self.available():
+            raise PoolExhausted(n, self.available())
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        assert 0 <= n <= self.reserved
+        self.reserved -= n
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def allocate(self, reserved: bool = False) -> int:
+        """A block with one reference; `reserved` draws on a reservation made earlier."""
+        if reserved:
+            self.unreserve(1)
+        elif self.available() <= 0:
+            raise PoolExhausted(1, self.available())
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._cached.popitem(last=False)  # the least recently used cached prefix goes
+            del self._block_of[self._hash_of.pop(block)]
+        self.refs[block] = 1
+        return block
+
+    def share(self, block: int) -> None:
+        if self.refs[block] == 0:
+            del self._cached[block]
+        self.refs[block] += 1
+
+    def release(self, block: int) -> None:
+        assert self.refs[block] > 0, f"block {block} released with no reference"
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if block in self._hash_of:
+                self._cached[block] = None  # newest at the end
+            else:
+                self._free.append(block)
+
+    def is_shared(self, block: int) -> bool:
+        """Whether writing into `block` would change what another cache or the prefix index sees."""
+        return self.refs[block] > 1 or block in self._hash_of
+
+    def copy(self, block: int, reserved: bool = False) -> int:
+        """A private copy of `block` (copy on write), with one reference."""
+        fresh = self.allocate(reserved)
+        self.k[fresh].copy_(self.k[block])
+        self.v[fresh].copy_(self.v[block])
+        return fresh
+
+    # ---- the prefix index --------------------------------------------------------------------
+    def publish(self, block: int, digest: bytes) -> None:
+        """Index a full block by its chained hash; a second block with the same content stays private."""
+        if digest not in self._block_of and block not in self._hash_of:
+            self._block_of[digest] = block
+            self._hash_of[block] = digest
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks of the longest indexed prefix of `hashes`, each given one more reference."""
+        blocks = []
+        for digest in hashes:
+            block = self._block_of.get(digest)
+            if block is None:
+                break
+            self.share(block)
+            blocks.append(block)
+        return blocks
+
+    def check(self) -> None:
+        """Assert the pool's invariants (tests and drills)."""
+        free, cached = set(self._free), set(self._cached)
+        referenced = {b for b, r in enumerate(self.refs) if r > 0}
+        assert len(free) == len(self._free), "a block is on the free stack twice"
+        assert not (free & cached) and not (free & referenced) and not (cached & referenced)
+        assert len(free) + len(cached) + len(referenced) == self.n_blocks
+        assert all(self.refs[b] >= 0 for b in range(self.n_blocks))
+        assert cached <= set(self._hash_of) and not (free & set(self._hash_of))
+        assert all(self._block_of[h] == b for b, h in self._hash_of.items())
+        assert 0 <= self.reserved <= len(free) + len(cached)

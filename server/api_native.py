@@ -48,7 +48,7 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Request:
         resend=False,
         max_tokens_given=body.parameters.max_new_tokens is not None,
         inject_fault=body.debug_fail_step,
-    )
+    )[0]
 
 
 def _token(tokenizer, e: TokenEvent) -> dict:

@@ -1,6 +1,7 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 
@@ -38,7 +39,8 @@ def openai_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None) 
     )
 
 
-def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> Request:
+def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None,
+           logprobs: int | None) -> list[Request]:
     flow.check_model(http, body.model)
     engine = flow.engine_of(http)
     params = openai_params(body, max_tokens if max_tokens is not None else MAX_TOKENS_LIMIT, logprobs)
@@ -46,16 +48,18 @@ def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_toke
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
     return flow.start(
         http, flow.session_id_of(http, body.session_id), prompt, params,
-        resend=True, max_tokens_given=max_tokens is not None, inject_fault=body.debug_fail_step,
+        resend=True, max_tokens_given=max_tokens is not None, n=body.n, inject_fault=body.debug_fail_step,
     )
 
 
-def _usage(f: Finished) -> dict:
+def _usage(finished: list[Finished]) -> dict:
+    """One prompt, however many choices: its tokens (and the cached part) count once."""
+    first, completion = finished[0], sum(f.completion_tokens for f in finished)
     return {
-        "prompt_tokens": f.prompt_tokens,
-        "completion_tokens": f.completion_tokens,
-        "total_tokens": f.prompt_tokens + f.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
 
 
@@ -81,23 +85,28 @@ def _completion_logprobs(tok, events: list[TokenEvent], offset: int = 0) -> dict
     }
 
 
-def _response(http: HttpRequest, kind: str, finished: Finished, **choice) -> dict:
+def _response(http: HttpRequest, kind: str, finished: list[Finished], choices: list[dict]) -> dict:
     """A whole (non-streamed) completion or chat completion."""
     return {
         "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": http.app.state.config.model_name,
-        "choices": [{"index": 0, **choice, "finish_reason": OPENAI_REASONS[finished.reason]}],
+        "choices": [{"index": i, **choice, "finish_reason": OPENAI_REASONS[f.reason]}
+                    for i, (choice, f) in enumerate(zip(choices, finished))],
         "usage": _usage(finished),
     }
 
 
-class _Stream:
-    """Turns engine events into OpenAI SSE chunks."""
+async def _collect_all(http: HttpRequest, reqs: list[Request]) -> list[tuple[list[TokenEvent], Finished]]:
+    return list(await asyncio.gather(*(flow.collect(http, r) for r in reqs)))
 
-    def __init__(self, http, req, body, kind: str, make_choice, want_logprobs: bool) -> None:
-        self.http, self.req, self.body, self.make_choice, self.want_logprobs = http, req, body, make_choice, want_logprobs
+
+class _Stream:
+    """Turns engine events of one request's choices into OpenAI SSE chunks."""
+
+    def __init__(self, http, reqs, body, kind: str, make_choice, want_logprobs: bool) -> None:
+        self.http, self.reqs, self.body, self.make_choice, self.want_logprobs = http, reqs, body, make_choice, want_logprobs
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created, self.model = int(time.time()), http.app.state.config.model_name
@@ -108,22 +117,33 @@ class _Stream:
             out["usage"] = usage
         return flow.sse(out)
 
+    async def _events(self):
+        if len(self.reqs) == 1:  # no task per choice on the common path
+            async for event in flow.events(self.http, self.reqs[0], watch_disconnect=False):
+                yield 0, event
+        else:
+            async for pair in flow.merged(self.http, self.reqs):
+                yield pair
+
     async def __aiter__(self):
-        first = self.make_choice(None, None, None, first=True)
-        if first is not None:
-            yield self.chunk([first])
-        async for event in flow.events(self.http, self.req, watch_disconnect=False):
+        for i in range(len(self.reqs)):
+            first = self.make_choice(i, None, None, None, first=True)
+            if first is not None:
+                yield self.chunk([first])
+        finished: list[Finished | None] = [None] * len(self.reqs)
+        async for i, event in self._events():
             if isinstance(event, TokenEvent):
                 if event.text or self.want_logprobs:
-                    yield self.chunk([self.make_choice(event.text, event if self.want_logprobs else None, None)])
+                    yield self.chunk([self.make_choice(i, event.text, event if self.want_logprobs else None, None)])
                 continue
             if event.error is not None:
                 yield flow.sse_error(event.error)
                 return
-            yield self.chunk([self.make_choice(event.text, None, OPENAI_REASONS[event.reason])])
-            opts = self.body.stream_options
-            if opts is not None and opts.include_usage:
-                yield self.chunk([], _usage(event))
+            finished[i] = event
+            yield self.chunk([self.make_choice(i, event.text, None, OPENAI_REASONS[event.reason])])
+        opts = self.body.stream_options
+        if opts is not None and opts.include_usage:
+            yield self.chunk([], _usage(finished))
         yield flow.sse("[DONE]")
 
 
@@ -131,20 +151,22 @@ class _Stream:
 async def completions(body: CompletionRequest, http: HttpRequest):
     tok = flow.engine_of(http).tokenizer
     prompt = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt)
-    req = _start(http, body, prompt, body.max_tokens, body.logprobs)
+    reqs = _start(http, body, prompt, body.max_tokens, body.logprobs)
     echo = (body.prompt if isinstance(body.prompt, str) else tok.decode(body.prompt)) if body.echo else ""
     if body.stream:
-        def choice(text, event, reason, first=False):
+        def choice(i, text, event, reason, first=False):
             if first:
-                return {"index": 0, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+                return {"index": i, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
             lp = _completion_logprobs(tok, [event]) if event is not None else None
-            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
-        return StreamingResponse(_Stream(http, req, body, "completion", choice, body.logprobs is not None).__aiter__(),
+        return StreamingResponse(_Stream(http, reqs, body, "completion", choice, body.logprobs is not None).__aiter__(),
                                  media_type="text/event-stream", headers=flow.SSE_HEADERS)
-    events, finished = await flow.collect(http, req)
-    logprobs = _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None
-    return _response(http, "completion", finished, text=echo + req.text, logprobs=logprobs)
+    results = await _collect_all(http, reqs)
+    choices = [{"text": echo + req.text,
+                "logprobs": _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None}
+               for req, (events, _) in zip(reqs, results)]
+    return _response(http, "completion", [f for _, f in results], choices)
 
 
 @router.post("/v1/chat/completions")
@@ -154,20 +176,22 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     prompt = tok.encode(text, add_special=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    req = _start(http, body, prompt, max_tokens, logprobs)
+    reqs = _start(http, body, prompt, max_tokens, logprobs)
     if body.stream:
-        def choice(text, event, reason, first=False):
+        def choice(i, text, event, reason, first=False):
             if first:
-                return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             delta = {"content": text} if text else {}
             lp = _chat_logprobs(tok, [event]) if event is not None else None
-            return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
-        return StreamingResponse(_Stream(http, req, body, "chat", choice, body.logprobs).__aiter__(),
+        return StreamingResponse(_Stream(http, reqs, body, "chat", choice, body.logprobs).__aiter__(),
                                  media_type="text/event-stream", headers=flow.SSE_HEADERS)
-    events, finished = await flow.collect(http, req)
-    logprobs = _chat_logprobs(tok, events) if body.logprobs else None
-    return _response(http, "chat", finished, message={"role": "assistant", "content": req.text}, logprobs=logprobs)
+    results = await _collect_all(http, reqs)
+    choices = [{"message": {"role": "assistant", "content": req.text},
+                "logprobs": _chat_logprobs(tok, events) if body.logprobs else None}
+               for req, (events, _) in zip(reqs, results)]
+    return _response(http, "chat", [f for _, f in results], choices)
 
 
 @router.get("/v1/models")

@@ -1,11 +1,11 @@
-"""Session routes: create, inspect, rewind and end conversations whose KV stays resident."""
+"""Session routes: create, inspect, fork, rewind and end conversations whose KV stays resident."""
 from __future__ import annotations
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 
 from . import flow
-from .schemas import ERROR_RESPONSES, SessionCreate, SessionRewind
+from .schemas import ERROR_RESPONSES, SessionCreate, SessionFork, SessionRewind
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RESPONSES)
 
@@ -45,3 +45,13 @@ async def rewind_session(session_id: str, body: SessionRewind, http: HttpRequest
     session = engine.sessions.get(session_id, flow.owner_of(http))
     engine.rewind_session(session, body.length)
     return {"object": "session", **session.info()}
+
+
+@router.post("/{session_id}/fork")
+async def fork_session(session_id: str, http: HttpRequest, body: SessionFork | None = None) -> dict:
+    """A new session with this one's history; the two share KV blocks until either writes into one."""
+    engine = flow.engine_of(http)
+    owner = flow.owner_of(http)
+    parent = engine.sessions.get(session_id, owner)
+    child = engine.fork_session(parent, owner, session_id=body.id if body is not None else None)
+    return {"object": "session", "parent": parent.id, **child.info()}

@@ -16,11 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvcache import REGISTRY, CacheConfig, CacheRegistry, Sizing
+from kvcache import REGISTRY, CacheConfig, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
 from .config import EngineConfig
-from .errors import InvalidRequest, ShuttingDown
+from .errors import InvalidRequest, Overloaded, ShuttingDown
 from .kv_pool import KVPool
 from .metrics import Metrics
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
@@ -28,18 +28,9 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request
-from .session import Session, SessionStore
+from .session import Session, SessionStore, common_prefix
 
 log = logging.getLogger("kvserve.engine")
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Engine:
@@ -124,6 +115,23 @@ class Engine:
             self.sessions.remove(session)
             self.metrics.sessions.set(len(self.sessions))
 
+    def fork_session(self, parent: Session, owner: str | None, session_id: str | None = None) -> Session:
+        """A new session with the parent's history, sharing its KV blocks until either side writes."""
+        if not self.accepting:
+            raise ShuttingDown("server is shutting down")
+        with self._lock:
+            self.sessions.check_idle(parent)
+            child = self.sessions.create(parent.capacity, parent.sizing, True, owner, session_id)
+            child.tokens = list(parent.tokens)
+            if parent.cache is not None:
+                try:
+                    self.pool.fork(parent, child)
+                except PoolExhausted as e:
+                    self.sessions.remove(child)
+                    raise Overloaded(f"no KV room to fork a static session: {e}", headers={"Retry-After": "1"}) from None
+            self.metrics.sessions.set(len(self.sessions))
+        return child
+
     def rewind_session(self, session: Session, length: int) -> None:
         with self._lock:
             self.sessions.check_idle(session)
@@ -189,9 +197,30 @@ class Engine:
             session.cache.rewind(1)  # recompute the last token to get the logits that follow it
         req.prompt_ids = list(session.tokens)
         self.scheduler.add(req)
-        self.metrics.prompt_tokens.inc(len(session.pending))
         self._update_gauges()
         return req
+
+    def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
+                       max_tokens_given: bool) -> list[Request]:
+        """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
+        others fork its KV once that is cached (kept out of the queue's way until then)."""
+        sessions = [self.create_session(None, None, owner, persistent=False) for _ in params]
+        reqs: list[Request] = []
+        try:
+            with self._lock:
+                self.scheduler.check_room(len(params))
+                for session, p in zip(sessions, params):
+                    req = self._submit(session, prompt, p, True, max_tokens_given, False)
+                    req.parent = reqs[0] if reqs else None
+                    reqs.append(req)
+        except Exception:
+            with self._lock:  # the same prompt and limits pass for every choice or for none
+                assert not reqs, "a later choice failed where the first passed"
+                for session in sessions:
+                    self.sessions.remove(session)
+            raise
+        self._wake.set()
+        return reqs
 
     def cancel(self, req: Request) -> None:
         if req.finished is None:
@@ -269,6 +298,7 @@ class Engine:
         queries, hits = self.scheduler.take_prefix_counts()
         m.prefix_queries.inc(queries)
         m.prefix_hits.inc(hits)
+        m.prompt_tokens.inc(queries - hits)
         m.sessions.set(len(self.sessions))
 
     def _update_gauges(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -43,19 +44,28 @@ def start(
     *,
     resend: bool,
     max_tokens_given: bool,
+    n: int = 1,
     inject_fault: bool = False,
-) -> Request:
-    """Submit to the engine, on the named session or on a temporary one removed when done."""
+) -> list[Request]:
+    """Submit to the engine, on the named session or on a temporary one removed when done; n > 1 runs
+    n choices, each on a temporary session, the prompt prefilled once and forked."""
     engine = engine_of(http)
     if inject_fault and not http.app.state.fault_injection:
         raise InvalidRequest("debug_fail_step needs a server started with --fault-injection", param="debug_fail_step")
     owner = owner_of(http)
+    if n > 1:
+        if session_id is not None:
+            raise InvalidRequest("n > 1 runs each choice on a temporary session; send it without a session id", param="n")
+        # choice i draws from seed + i: each choice is reproducible, and the choices differ
+        choices = [params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
+                   for i in range(n)]
+        return engine.submit_choices(prompt, choices, owner, max_tokens_given)
     if session_id is not None:
         session, temporary = engine.sessions.get(session_id, owner), False
     else:
         session, temporary = engine.create_session(None, None, owner, persistent=False), True
     try:
-        return engine.submit(session, prompt, params, resend, max_tokens_given, inject_fault)
+        return [engine.submit(session, prompt, params, resend, max_tokens_given, inject_fault)]
     except Exception:
         if temporary:
             engine.delete_session(session)
@@ -105,6 +115,26 @@ async def collect(http: HttpRequest, req: Request) -> tuple[list[TokenEvent], Fi
             return tokens, event
         tokens.append(event)
     raise asyncio.CancelledError("client disconnected")
+
+
+async def merged(http: HttpRequest, reqs: list[Request]) -> AsyncIterator[tuple[int, TokenEvent | Finished]]:
+    """The events of several requests (the choices of one), as (choice index, event), until all finish."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: Request) -> None:
+        async for event in events(http, req, watch_disconnect=False):
+            queue.put_nowait((i, event))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        running = len(reqs)
+        while running:
+            i, event = await queue.get()
+            yield i, event
+            running -= isinstance(event, Finished)
+    finally:
+        for task in tasks:
+            task.cancel()  # each pump's events() then cancels its request
 
 
 def raise_if_failed(finished: Finished) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from kvcache import BlockPool, CacheConfig, CacheRegistry, SessionCache
 from kvcache.session_cache import blocks_for
 
-from .session import Session
+from .session import Session, common_prefix
 
 
 class KVPool:
@@ -36,16 +36,19 @@ class KVPool:
         if session.cache is not None:
             return
         if reuse is not None and reuse.cache is not None:
-            cache = reuse.cache.fork()
-            keep = min(cache.length, len(session.tokens) - 1)
-            if session.tokens[:keep] != reuse.tokens[:keep]:
-                keep = 0
-            cache.rewind(cache.length - keep)
-        else:
-            cache = SessionCache(self.config_for(session), self.blocks)
-            # the last token is always run again: its logits start the reply
-            cache.attach_prefix(session.tokens[: len(session.tokens) - 1])
+            self.fork(reuse, session)
+            keep = common_prefix(session.tokens[: len(session.tokens) - 1], reuse.tokens[: session.cache.length])
+            session.truncate_cache(keep)
+            return
+        cache = SessionCache(self.config_for(session), self.blocks)
+        # the last token is always run again: its logits start the reply
+        cache.attach_prefix(session.tokens[: len(session.tokens) - 1])
         session.cache = self.registry.install(session.id, cache)
+
+    def fork(self, parent: Session, child: Session) -> None:
+        """Give `child` a cache sharing every block of `parent`'s (raises PoolExhausted for a static one
+        that cannot reserve its capacity)."""
+        child.cache = self.registry.install(child.id, parent.cache.fork())
 
     def drop(self, session: Session) -> None:
         """Free a session's KV; its full blocks stay cached for a later prefix hit, its history stays too."""

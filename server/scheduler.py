@@ -37,8 +37,8 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of those found in the KV
         self._retired: list[Request] = []
 
-    def check_room(self) -> None:
-        if len(self.waiting) >= self.config.max_queued:
+    def check_room(self, n: int = 1) -> None:
+        if len(self.waiting) + n > self.config.max_queued:
             raise Overloaded(
                 f"server is full: {len(self.running)} running and {len(self.waiting)} waiting requests",
                 headers={"Retry-After": "1"},

@@ -67,7 +67,7 @@ class _OpenAISampling(_Body):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=16)] = 1
     user: str | None = None
     session_id: str | None = None
     debug_fail_step: bool = False
@@ -113,6 +113,12 @@ class SessionCreate(_Body):
 
     capacity: Annotated[int, Field(gt=0)] | None = None
     sizing: Literal["static", "dynamic"] | None = None
+    id: Annotated[str, Field(min_length=22, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
+
+
+class SessionFork(_Body):
+    """`POST /v1/sessions/{id}/fork` body: the new session's id, if the client picks it."""
+
     id: Annotated[str, Field(min_length=22, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
 
 

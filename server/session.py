@@ -62,6 +62,16 @@ class Session:
         }
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two histories share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 # at least as long as our own 18-byte ids, so a chosen id is no easier to guess
 _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{22,128}")
 

@@ -57,7 +57,9 @@ def _token(tokenizer, e: TokenEvent) -> dict:
 
 
 def _details(req: Request, f: Finished) -> dict:
-    return {"finish_reason": TGI_REASONS[f.reason], "generated_tokens": f.completion_tokens, "seed": req.params.seed}
+    # cached_tokens (an extension): prompt tokens whose KV was reused rather than prefilled
+    return {"finish_reason": TGI_REASONS[f.reason], "generated_tokens": f.completion_tokens, "seed": req.params.seed,
+            "cached_tokens": f.cached_tokens}
 
 
 @router.post("/generate")

@@ -45,7 +45,7 @@ CASES = [
     ("/v1/completions", {"prompt": [1, 2, 10**8], "max_tokens": 2}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "temperature": 9}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),

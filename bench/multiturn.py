@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--sessions", action="store_true", help="one kvserve session per user (X-Session-Id)")
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--first-words", type=int, default=60, help="words in a user's first message")
+    ap.add_argument("--first-words", type=int, default=30, help="words in a user's first message")
     ap.add_argument("--turn-words", type=int, default=20, help="words in each later message")
     ap.add_argument("--output-len", type=int, default=48, help="reply tokens a turn")
     ap.add_argument("--seed", type=int, default=0)

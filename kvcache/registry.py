@@ -79,10 +79,6 @@ class CacheRegistry:
     def __len__(self) -> int:
         return len(self._caches)
 
-    def total_bytes(self) -> int:
-        with self._lock:
-            return sum(c.nbytes for c in self._caches.values())
-
     def set_active(self, spans: SpanSpec | Sequence[SpanSpec] | None) -> None:
         """Select what the next forward(s) read and extend; each forward commits itself.
 

@@ -30,7 +30,7 @@ class EngineConfig:
     session_capacity: int = 2048  # tokens per session unless a session asks for another
     session_sizing: Sizing = Sizing.DYNAMIC
     kv_budget: int = 4 * 2**30  # bytes held by every installed cache together
-    max_batch_tokens: int = 64  # tokens per step (chunked prefill): ~0.2 s at most on 2 cores, so streams keep pace
+    max_batch_tokens: int = 128  # tokens a step: decodes first, then prefill chunks (docs/performance.md has the choice)
     max_running: int = 64  # sessions per step
     max_queued: int = 256  # requests waiting for a running slot
     default_max_tokens: int = 256  # when a request names none

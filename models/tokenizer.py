@@ -107,7 +107,13 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_has_tools(self) -> bool:
+        """Whether the chat template renders a `tools` list itself."""
+        return "tools" in (self.meta.chat_template or "")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             # A model without a template gets plain "role: content" lines, as llama.cpp does for raw models.
             body = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
@@ -116,6 +122,7 @@ class TextTokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.meta.bos_token or "",
                 eos_token=self.meta.eos_token or "",
                 **self.meta.extra,

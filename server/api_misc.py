@@ -6,7 +6,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from . import flow
+from . import flow, tools
 from .errors import InvalidRequest
 from .schemas import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 
@@ -19,7 +19,7 @@ async def tokenize(body: TokenizeRequest, http: HttpRequest) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
-        ids = tok.encode(tok.apply_chat_template([m.plain() for m in body.messages]), add_special=False)
+        ids = tok.encode(tok.apply_chat_template([tools.plain_message(m) for m in body.messages]), add_special=False)
     else:
         ids = tok.encode(body.prompt, add_special=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": flow.engine_of(http).model.config.max_context}

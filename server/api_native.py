@@ -6,6 +6,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
 from . import flow
+from .constraints import Grammars
 from .errors import InvalidRequest
 from .sampling import SamplingParams
 from .schemas import ERROR_RESPONSES, GenerateParameters, GenerateRequest
@@ -16,7 +17,19 @@ router = APIRouter(tags=["tgi"], responses=ERROR_RESPONSES)
 TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "cancelled": "length", "error": "length"}
 
 
-def tgi_params(p: GenerateParameters, default_max: int) -> SamplingParams:
+def tgi_grammar(grammars: Grammars, p: GenerateParameters) -> str | None:
+    """TGI's `grammar` parameter -> an llguidance grammar (None: free text)."""
+    g = p.grammar
+    if g is None:
+        return None
+    if g.type == "regex":
+        if not isinstance(g.value, str):
+            raise InvalidRequest("a regex grammar's value must be a string", param="parameters.grammar.value")
+        return grammars.check(grammars.regex(g.value), "parameters.grammar")
+    return grammars.check(grammars.json_schema(g.value, "parameters.grammar.value"), "parameters.grammar")
+
+
+def tgi_params(p: GenerateParameters, default_max: int, grammar: str | None = None) -> SamplingParams:
     sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p))
     temperature = 0.0 if not sampling else (p.temperature if p.temperature is not None else 1.0)
     return SamplingParams(
@@ -31,6 +44,7 @@ def tgi_params(p: GenerateParameters, default_max: int) -> SamplingParams:
         seed=p.seed,
         stop=tuple(p.stop),
         logprobs=p.top_n_tokens or 0,
+        grammar=grammar,
     )
 
 
@@ -38,8 +52,10 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Request:
     engine = flow.engine_of(http)
     if len(body.parameters.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="parameters.stop")
-    params = tgi_params(body.parameters, engine.config.default_max_tokens)
+    params = tgi_params(body.parameters, engine.config.default_max_tokens, tgi_grammar(engine.grammars, body.parameters))
     prompt = engine.tokenizer.encode(body.inputs)
+    if body.parameters.truncate is not None:
+        prompt = prompt[-body.parameters.truncate :]
     return flow.start(
         http,
         flow.session_id_of(http, body.session_id),

@@ -9,7 +9,8 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from . import flow
+from . import flow, tools
+from .constraints import Grammars
 from .errors import InvalidRequest
 from .sampling import SamplingParams
 from .schemas import ERROR_RESPONSES, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -20,7 +21,8 @@ router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "length", "error": "error"}
 
 
-def openai_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def openai_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None, vocab: int,
+                  grammar: str | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -36,14 +38,63 @@ def openai_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None) 
         stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
+        logit_bias=_logit_bias(body.logit_bias or {}, vocab),
+        grammar=grammar,
     )
 
 
+def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab:
+            raise InvalidRequest(f"logit_bias key {key!r} is not a token id (0..{vocab - 1})", param="logit_bias")
+        out.append((int(key), value))
+    return tuple(out)
+
+
+def _output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: list[dict] | None) -> str | None:
+    """The grammar the output must match, from whichever one field asks for it (None: free text)."""
+    rf = body.response_format
+    asked = {
+        "tool_choice": tool_functions is not None,
+        "response_format": rf is not None and rf.type != "text",
+        "guided_json": body.guided_json is not None,
+        "guided_regex": (body.guided_regex or body.regex) is not None,
+        "guided_grammar": (body.guided_grammar or body.grammar) is not None,
+        "guided_choice": body.guided_choice is not None,
+    }
+    named = [k for k, v in asked.items() if v]
+    if len(named) > 1:
+        raise InvalidRequest(f"only one output constraint at a time; got {', '.join(named)}", param=named[1])
+    if not named:
+        return None
+    param = named[0]
+    if tool_functions is not None:
+        grammar = grammars.tool_calls(tool_functions, body.parallel_tool_calls)
+    elif rf is not None and rf.type == "json_object":
+        grammar = grammars.json_schema({"type": "object"}, param)
+    elif rf is not None:
+        if rf.json_schema is None:
+            raise InvalidRequest("response_format json_schema needs a json_schema", param="response_format.json_schema")
+        grammar = grammars.json_schema(rf.json_schema.schema_, "response_format.json_schema")
+    elif body.guided_json is not None:
+        grammar = grammars.json_schema(body.guided_json, param)
+    elif param == "guided_regex":
+        grammar = grammars.regex(body.guided_regex or body.regex)
+    elif param == "guided_grammar":
+        grammar = grammars.lark(body.guided_grammar or body.grammar, param)
+    else:
+        grammar = grammars.choice(body.guided_choice)
+    return grammars.check(grammar, param)
+
+
 def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None,
-           logprobs: int | None) -> list[Request]:
+           logprobs: int | None, tool_functions: list[dict] | None = None) -> list[Request]:
     flow.check_model(http, body.model)
     engine = flow.engine_of(http)
-    params = openai_params(body, max_tokens if max_tokens is not None else MAX_TOKENS_LIMIT, logprobs)
+    grammar = _output_grammar(engine.grammars, body, tool_functions)
+    params = openai_params(body, max_tokens if max_tokens is not None else MAX_TOKENS_LIMIT, logprobs,
+                           engine.model.config.vocab_size, grammar)
     if len(params.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
     return flow.start(
@@ -92,7 +143,7 @@ def _response(http: HttpRequest, kind: str, finished: list[Finished], choices: l
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": int(time.time()),
         "model": http.app.state.config.model_name,
-        "choices": [{"index": i, **choice, "finish_reason": OPENAI_REASONS[f.reason]}
+        "choices": [{"index": i, "finish_reason": OPENAI_REASONS[f.reason], **choice}
                     for i, (choice, f) in enumerate(zip(choices, finished))],
         "usage": _usage(finished),
     }
@@ -105,8 +156,10 @@ async def _collect_all(http: HttpRequest, reqs: list[Request]) -> list[tuple[lis
 class _Stream:
     """Turns engine events of one request's choices into OpenAI SSE chunks."""
 
-    def __init__(self, http, reqs, body, kind: str, make_choice, want_logprobs: bool) -> None:
+    def __init__(self, http, reqs, body, kind: str, make_choice, want_logprobs: bool, make_final=None) -> None:
         self.http, self.reqs, self.body, self.make_choice, self.want_logprobs = http, reqs, body, make_choice, want_logprobs
+        # the last chunks of a choice (by default, its tail text and finish reason)
+        self.make_final = make_final or (lambda i, f: [make_choice(i, f.text, None, OPENAI_REASONS[f.reason])])
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
         self.created, self.model = int(time.time()), http.app.state.config.model_name
@@ -133,14 +186,16 @@ class _Stream:
         finished: list[Finished | None] = [None] * len(self.reqs)
         async for i, event in self._events():
             if isinstance(event, TokenEvent):
-                if event.text or self.want_logprobs:
-                    yield self.chunk([self.make_choice(i, event.text, event if self.want_logprobs else None, None)])
+                choice = self.make_choice(i, event.text, event if self.want_logprobs else None, None)
+                if choice is not None:
+                    yield self.chunk([choice])
                 continue
             if event.error is not None:
                 yield flow.sse_error(event.error)
                 return
             finished[i] = event
-            yield self.chunk([self.make_choice(i, event.text, None, OPENAI_REASONS[event.reason])])
+            for choice in self.make_final(i, event):
+                yield self.chunk([choice])
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
             yield self.chunk([], _usage(finished))
@@ -157,6 +212,8 @@ async def completions(body: CompletionRequest, http: HttpRequest):
         def choice(i, text, event, reason, first=False):
             if first:
                 return {"index": i, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+            if not text and event is None and reason is None:
+                return None
             lp = _completion_logprobs(tok, [event]) if event is not None else None
             return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
@@ -172,25 +229,47 @@ async def completions(body: CompletionRequest, http: HttpRequest):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     tok = flow.engine_of(http).tokenizer
-    text = tok.apply_chat_template([m.plain() for m in body.messages], body.add_generation_prompt)
+    messages, template_tools = tools.chat_messages(body, tok.template_has_tools)
+    text = tok.apply_chat_template(messages, body.add_generation_prompt, template_tools)
     prompt = tok.encode(text, add_special=False)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = _start(http, body, prompt, max_tokens, logprobs)
+    forced = tools.forced_tools(body)
+    reqs = _start(http, body, prompt, max_tokens, logprobs, forced)
+    names = {t.function.name for t in body.tools or []} if tools.offers_tools(body) else set()
     if body.stream:
+        filters = [tools.ToolCallFilter(names, forced is not None) if names else None for _ in reqs]
+
         def choice(i, text, event, reason, first=False):
             if first:
                 return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            delta = {"content": text} if text else {}
+            text = filters[i].feed(text or "") if filters[i] is not None else text
+            if not text and event is None and reason is None:
+                return None
             lp = _chat_logprobs(tok, [event]) if event is not None else None
-            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
 
-        return StreamingResponse(_Stream(http, reqs, body, "chat", choice, body.logprobs).__aiter__(),
+        def final(i, f: Finished):
+            if filters[i] is None:
+                return [choice(i, f.text, None, OPENAI_REASONS[f.reason])]
+            filters[i].feed(f.text)
+            content, calls = filters[i].finish()
+            out = [{"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None}] if content else []
+            if calls:
+                deltas = [{"index": k, **call} for k, call in enumerate(calls)]
+                out.append({"index": i, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})
+            return [*out, {"index": i, "delta": {}, "logprobs": None,
+                           "finish_reason": "tool_calls" if calls else OPENAI_REASONS[f.reason]}]
+
+        return StreamingResponse(_Stream(http, reqs, body, "chat", choice, body.logprobs, final).__aiter__(),
                                  media_type="text/event-stream", headers=flow.SSE_HEADERS)
     results = await _collect_all(http, reqs)
-    choices = [{"message": {"role": "assistant", "content": req.text},
-                "logprobs": _chat_logprobs(tok, events) if body.logprobs else None}
-               for req, (events, _) in zip(reqs, results)]
+    choices = []
+    for req, (events, _) in zip(reqs, results):
+        content, calls = tools.parse_tool_calls(req.text, names, forced is not None) if names else (req.text, [])
+        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        choices.append({"message": message, "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
+                        **({"finish_reason": "tool_calls"} if calls else {})})
     return _response(http, "chat", [f for _, f in results], choices)
 
 

@@ -20,6 +20,7 @@ from kvcache import REGISTRY, CacheConfig, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
 from .config import EngineConfig
+from .constraints import Grammars
 from .errors import InvalidRequest, Overloaded, ShuttingDown
 from .kv_pool import KVPool
 from .metrics import Metrics
@@ -51,6 +52,9 @@ class Engine:
         self._worker = worker or model_thread()
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
+        self.grammars = Grammars(self.tokenizer)
+        # grammar masks are computed here while the model thread runs the forward
+        self._masks = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
@@ -84,6 +88,7 @@ class Engine:
             for session in list(self.sessions):
                 self.pool.drop(session)
         self._worker.shutdown(wait=True)
+        self._masks.shutdown(wait=True)
 
     # ---- sessions --------------------------------------------------------------------------
     def create_session(
@@ -191,6 +196,8 @@ class Engine:
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
         req = Request(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
                       inject_fault=inject_fault, history_before=list(session.tokens), kept=keep, sink=self._post)
+        if params.grammar is not None:
+            req.constraint = self.grammars.matcher(params.grammar)
         session.truncate(keep)
         session.tokens.extend(new)
         if not session.pending and params.max_tokens > 0 and session.cache is not None:
@@ -204,7 +211,7 @@ class Engine:
                        max_tokens_given: bool) -> list[Request]:
         """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
         others fork its KV once that is cached (kept out of the queue's way until then)."""
-        sessions = [self.create_session(None, None, owner, persistent=False) for _ in params]
+        sessions = [self.create_session(self.model.config.max_context, "dynamic", owner, persistent=False) for _ in params]
         reqs: list[Request] = []
         try:
             with self._lock:
@@ -247,7 +254,7 @@ class Engine:
                 self._observe_finished()  # requests cancelled while waiting
                 waiting = self.scheduler.has_work()  # work that cannot run yet (nothing fits): look again shortly
             else:
-                rows = [self.scheduler.by_id[c.request_id].sample_row() for c in batch.chunks if c.sample]
+                rows = [self.scheduler.by_id[c.request_id].sample_row(self._masks) for c in batch.chunks if c.sample]
         if not batch:
             self._hand_over()
             self._wake.wait(0.005 if waiting else None)

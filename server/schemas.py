@@ -3,14 +3,41 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TOKENS_LIMIT = 1 << 20
 StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
 
 
+# Fields that only annotate a request: accepted and ignored.
+ANNOTATION_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Fields other servers honour that would change the output and kvserve does not implement: refused by name.
+UNSUPPORTED_FIELDS = frozenset({
+    "best_of", "suffix", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
+    "reasoning_effort", "use_beam_search", "length_penalty", "guided_whitespace_pattern", "structural_tag",
+})
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", str_max_length=4 * 2**20)
+    """A request body: a field it does not know is refused (400, named), unless it only annotates or is null."""
+
+    model_config = ConfigDict(extra="allow", str_max_length=4 * 2**20)
+
+    @model_validator(mode="after")
+    def _honest(self):
+        for name, value in (self.model_extra or {}).items():
+            if value is None or name in ANNOTATION_FIELDS:
+                continue
+            why = "is not supported" if name in UNSUPPORTED_FIELDS else "is not a known field"
+            raise ValueError(f"'{name}' {why}: kvserve refuses fields that would change the output and that it does not implement")
+        return self
+
+
+class TGIGrammar(_Body):
+    """TGI's `grammar` parameter: a JSON schema or a regex the output must match."""
+
+    type: Literal["json", "json_object", "regex"]
+    value: Any
 
 
 class GenerateParameters(_Body):
@@ -32,9 +59,18 @@ class GenerateParameters(_Body):
     return_full_text: bool | None = False
     top_n_tokens: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
-    truncate: int | None = None
-    typical_p: float | None = None
+    truncate: Annotated[int, Field(gt=0)] | None = None  # keep only the last `truncate` tokens of the input
+    typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     watermark: bool = False
+    grammar: TGIGrammar | None = None
+
+    @model_validator(mode="after")
+    def _unimplemented(self):
+        for name, off in (("typical_p", self.typical_p in (None, 1.0)), ("watermark", not self.watermark),
+                          ("decoder_input_details", not self.decoder_input_details)):
+            if not off:
+                raise ValueError(f"'{name}' is not supported")
+        return self
 
 
 class GenerateRequest(_Body):
@@ -45,6 +81,52 @@ class GenerateRequest(_Body):
     stream: bool = False
     session_id: str | None = None
     debug_fail_step: bool = False  # honoured only with --fault-injection
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class StreamOptions(_Body):
@@ -68,9 +150,17 @@ class _OpenAISampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
-    user: str | None = None
     session_id: str | None = None
     debug_fail_step: bool = False
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extensions: the output matches a JSON schema, a regex, a Lark or GBNF grammar, or one of some strings
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    regex: str | None = None
+    guided_grammar: str | None = None
+    grammar: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=256)] | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -90,12 +180,12 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
-    def plain(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        return "".join(p.text for p in content) if isinstance(content, list) else content or ""
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -106,6 +196,9 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class SessionCreate(_Body):

@@ -5,6 +5,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from models.detokenizer import IncrementalDetokenizer
 from models.tokenizer import TextTokenizer
 
+from .constraints import Constraint
 from .sampling import Sampled, SampleRow, SamplingParams
 from .session import Session
 from .stops import StopMatcher
@@ -50,6 +52,7 @@ class Request:
     cached_tokens: int = 0  # of which were not prefilled (session KV or cached prefix), known once admitted
     id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
     parent: Request | None = None  # for the other choices of an n > 1 request: the one that prefills the prompt
+    constraint: Constraint | None = None  # the grammar its output must match, if any
     inject_fault: bool = False
     history_before: list[int] = field(default_factory=list)  # the session's history before this request
     kept: int = 0  # how much of history_before the request kept
@@ -79,8 +82,10 @@ class Request:
         prompt_start = len(self.prompt_ids) - self.prompt_tokens  # where this request's prompt begins in the history
         self.cached_tokens = max(0, cached_length - prompt_start)
 
-    def sample_row(self) -> SampleRow:
-        return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids)
+    def sample_row(self, masks: Executor) -> SampleRow:
+        """What the sampler needs; a constrained request's allowed tokens are computed on `masks` meanwhile."""
+        allowed = masks.submit(self.constraint.allowed) if self.constraint is not None else None
+        return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids, allowed)
 
     @property
     def wants_tokens(self) -> bool:
@@ -93,11 +98,13 @@ class Request:
         self.last_token_at = now
         self.output_ids.append(s.token)
         self.session.tokens.append(s.token)
+        if self.constraint is not None:
+            self.constraint.accept(s.token)
         is_eos = (s.token in eos_ids and not self.params.ignore_eos) or s.token in self.params.stop_token_ids
         delta = "" if is_eos else self.stops.feed(self.detok.push(s.token))
         self.text += delta
         self._emit(TokenEvent(s.token, delta, s.logprob, s.top))
-        if is_eos or self.stops.stopped:
+        if is_eos or self.stops.stopped or (self.constraint is not None and self.constraint.done):
             self.finish("stop")
         elif not self.wants_tokens or len(self.session.tokens) >= self.session.capacity:
             self.finish("length")

@@ -65,6 +65,16 @@ def tiny_checkpoints(tmp_path_factory, smollm):
 
 
 @pytest.fixture(scope="session")
+def fast_server(smollm_path):
+    """A server on the weights `kvserve serve` picks by default (q4 where the kernels build)."""
+    from models.catalog import DEFAULT_WEIGHTS
+    from models.loader import resolve_weights
+
+    with LiveServer(load_model(DEFAULT_MODEL, weights=resolve_weights(DEFAULT_WEIGHTS))) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
 def smollm_server(smollm):
     """One shared server on the real model, for tests that only read from it."""
     with LiveServer(smollm) as server:

@@ -237,20 +237,20 @@ def test_tokenize_detokenize_health_metrics(smollm_server):
         assert name in text, name
 
 
-def test_default_weights_server_streams_the_fast_models_greedy_tokens():
+def test_default_weights_server_streams_the_fast_models_greedy_tokens(fast_server):
     """The served default (q4 weights where the kernels build, float16 KV beside them) over HTTP gives
-    the tokens of the same model decoding alone in process."""
-    fast = load_model(DEFAULT_MODEL, weights=resolve_weights(DEFAULT_WEIGHTS))
+    the tokens of the same model decoding alone in process (on this thread, beside the server's)."""
+    fast = fast_server.engine.model
+    assert fast.weights == resolve_weights(DEFAULT_WEIGHTS)
     want = greedy_alone(fast, "The three laws of thermodynamics state that", 24)
-    with LiveServer(fast) as server:
-        if fast.weights != "f32":
-            assert server.engine.pool.layout.dtype == torch.float16
-        body = {"inputs": "The three laws of thermodynamics state that",
-                "parameters": {"max_new_tokens": 24, "details": True, "stop": []}, "stream": True}
-        ids = []
-        with httpx.stream("POST", server.url + "/generate_stream", json=body, timeout=120) as r:
-            assert r.status_code == 200
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    ids.append(json.loads(line[5:])["token"]["id"])
+    if fast.weights != "f32":
+        assert fast_server.engine.pool.layout.dtype == torch.float16
+    body = {"inputs": "The three laws of thermodynamics state that",
+            "parameters": {"max_new_tokens": 24, "details": True, "stop": []}, "stream": True}
+    ids = []
+    with httpx.stream("POST", fast_server.url + "/generate_stream", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                ids.append(json.loads(line[5:])["token"]["id"])
     assert ids == want

@@ -1,0 +1,179 @@
+"""What clients send is honoured or refused: structured output, tools, logit_bias, long prompts (real SDKs)."""
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+from huggingface_hub.errors import HfHubHTTPError
+
+MODEL = "smollm2-135m-instruct"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40}}, "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def client(fast_server):
+    return openai.OpenAI(base_url=fast_server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(client, content, **kw):
+    kw.setdefault("max_tokens", 96)
+    return client.chat.completions.create(model=MODEL, temperature=0, messages=[{"role": "user", "content": content}], **kw)
+
+
+@pytest.mark.parametrize("prompt", [
+    "Give a JSON object with a fruit's name and colour.", "Return JSON with keys city and country for Paris.",
+    "A JSON object with a number field x set to 3.", "Describe a book (title, year) as JSON.",
+    "JSON with one key: answer, the value yes.", "Return a JSON object describing a red car.",
+    "Return a JSON object with the key ok set to true.", "A JSON object with fields a=1 and b=2.",
+])
+def test_json_object_output_parses(client, prompt):
+    r = ask(client, prompt, response_format={"type": "json_object"}, max_tokens=160)
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    assert r.choices[0].finish_reason == "stop"
+
+
+PERSON = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "address": {"type": "object", "additionalProperties": False,
+                    "properties": {"city": {"type": "string", "maxLength": 24}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["city", "zip"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schema_output_validates(client, strict):
+    r = ask(client, "Make up a user of a web site.", max_tokens=160,
+            response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": PERSON, "strict": strict}})
+    jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+
+
+def test_regex_grammar_and_choice_extensions(client):
+    r = ask(client, "Give a date.", extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.choices[0].message.content)
+    r = ask(client, "Is the sky blue?", extra_body={"guided_choice": ["yes", "no"]})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = ask(client, "Count.", extra_body={"guided_grammar": 'root ::= "one, " "two" ("!" | "?")'})  # GBNF
+    assert r.choices[0].message.content in ("one, two!", "one, two?")
+    c = client.completions.create(model=MODEL, prompt="The answer is", max_tokens=8, temperature=0,
+                                  extra_body={"grammar": 'start: " " NUMBER\nNUMBER: /[0-9]{1,3}/'})  # Lark
+    assert re.fullmatch(r" [0-9]{1,3}", c.choices[0].text)
+
+
+def test_malformed_constraints_get_a_400_naming_the_problem(client):
+    with pytest.raises(openai.BadRequestError, match="objekt"):
+        ask(client, "x", response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "objekt"}}})
+    with pytest.raises(openai.BadRequestError, match="unclosed group"):
+        ask(client, "x", extra_body={"guided_regex": "[0-9]+("})
+    with pytest.raises(openai.BadRequestError, match="only one output constraint"):
+        ask(client, "x", response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_tool_choice_gives_calls_whose_arguments_validate(client, stream):
+    kw = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    if not stream:
+        r = ask(client, "What is the weather in Paris?", **kw)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    else:
+        deltas, reason = {}, None
+        for chunk in ask(client, "What is the weather in Paris?", stream=True, **kw):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                entry = deltas.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            assert not chunk.choices[0].delta.content
+            reason = chunk.choices[0].finish_reason or reason
+        assert reason == "tool_calls"
+        calls = [(d["id"], d["name"], d["arguments"]) for d in deltas.values()]
+    assert len(calls) == 1
+    call_id, name, arguments = calls[0]
+    assert call_id.startswith("call_") and name in ("get_weather", "get_time")
+    tool = WEATHER if name == "get_weather" else TIME
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+
+
+def test_a_named_tool_choice_calls_that_function(client):
+    r = ask(client, "Hello!", tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+            parallel_tool_calls=False, max_tokens=80)
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_time"]
+    jsonschema.validate(json.loads(r.choices[0].message.tool_calls[0].function.arguments), TIME["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError, match="get_date"):
+        ask(client, "x", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_date"}})
+
+
+def test_a_tool_result_round_trip(client):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, temperature=0, messages=messages, tools=[WEATHER],
+                                           tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    call = first.choices[0].message.tool_calls[0]
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+    final = client.chat.completions.create(model=MODEL, temperature=0, messages=messages, tools=[WEATHER], max_tokens=40)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+    assert final.choices[0].finish_reason in ("stop", "length")
+    # the call and its result went into the prompt
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens + len(call.function.arguments) // 4 + 10
+
+
+def test_logit_bias_bans_and_forces_tokens(client, fast_server):
+    tok = fast_server.engine.tokenizer
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=0)
+    first = plain.choices[0].logprobs.tokens[0]
+    banned = tok.encode(first, add_special=False)
+    assert len(banned) == 1
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=0,
+                                  logit_bias={str(banned[0]): -100})
+    assert first not in r.choices[0].logprobs.tokens
+    forced = tok.encode(" banana", add_special=False)[0]
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3, temperature=0.8,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == " banana" * 3
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, logit_bias={"999999": 5})
+
+
+def test_fields_that_would_change_the_output_are_refused_by_name(client):
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, best_of=2)
+    with pytest.raises(openai.BadRequestError, match="frobnicate"):
+        ask(client, "x", extra_body={"frobnicate": True})
+    with pytest.raises(HfHubHTTPError, match="typical_p"):
+        InferenceClient(str(client.base_url).replace("/v1/", "")).text_generation("x", max_new_tokens=1, typical_p=0.5)
+    # fields that only annotate are accepted
+    r = ask(client, "Hi", max_tokens=2, user="u-1", metadata={"team": "a"}, store=False, service_tier="auto")
+    assert r.choices[0].finish_reason == "length"
+
+
+def test_tgi_grammar_through_huggingface_hub(fast_server):
+    hf = InferenceClient(fast_server.url)
+    out = hf.text_generation("The year the moon landing happened:", max_new_tokens=8,
+                             grammar={"type": "regex", "value": " 19[0-9]{2}"})
+    assert re.fullmatch(r" 19[0-9]{2}", out)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    out = hf.text_generation("A city as JSON:", max_new_tokens=40, grammar={"type": "json", "value": schema})
+    jsonschema.validate(json.loads(out), schema)
+
+
+def test_a_6000_token_prompt_succeeds_on_default_flags(client):
+    text = " ".join(["the river runs past the old mill and the stone bridge"] * 560)
+    r = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens >= 6000 and r.choices[0].finish_reason == "length"

@@ -3,10 +3,13 @@
     python bench/serve_bench.py --url http://127.0.0.1:8000 --concurrency 1,8,32 --num-prompts 64
     python bench/serve_bench.py --launch --concurrency 1,8,32 --plot results   # starts kvserve itself
     python bench/serve_bench.py --url ... --rate 4 --num-prompts 100            # Poisson arrivals
+    python bench/serve_bench.py --launch --concurrency 32 --json-fraction 0.5   # plain, then half JSON-schema
 
 Streams /v1/completions. Prompt and output lengths come from a seeded distribution. Prints JSON:
 completed and failed requests, request throughput, output tok/s, and TTFT, TPOT, ITL and end-to-end
-latency (mean, p50, p90, p99, in ms) for each concurrency level (or rate).
+latency (mean, p50, p90, p99, in ms) for each concurrency level (or rate). With --json-fraction, each
+level runs twice in the same server, plain and then with that fraction of requests constrained to a JSON
+schema (`response_format`), and reports TPOT of the constrained and unconstrained requests apart.
 """
 from __future__ import annotations
 
@@ -26,9 +29,15 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
          "government company number group problem fact river mountain city music science story").split()
 
 
+# What the constrained requests must produce: twelve short strings, so replies run about as long as plain ones.
+JSON_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["items"], "properties": {
+    "items": {"type": "array", "minItems": 12, "maxItems": 12, "items": {"type": "string", "minLength": 3, "maxLength": 16}}}}
+
+
 @dataclass
 class Result:
     ok: bool
+    constrained: bool = False
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -45,11 +54,14 @@ def make_requests(n: int, input_len: int, output_len: int, spread: float, seed: 
     return [(" ".join(rng.choice(WORDS) for _ in range(around(input_len))), around(output_len)) for _ in range(n)]
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> Result:
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+              constrained: bool = False) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "list", "schema": JSON_SCHEMA}}
     start = time.perf_counter()
-    last, res, chunks = None, Result(ok=False), 0
+    last, res, chunks = None, Result(ok=False, constrained=constrained), 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -90,20 +102,22 @@ def summary(values: list[float]) -> dict:
     return {"mean": round(statistics.fmean(s) * 1e3, 2), "p50": round(pct(50), 2), "p90": round(pct(90), 2), "p99": round(pct(99), 2)}
 
 
-async def run_level(url, model, requests, concurrency: int | None, rate: float | None, seed: int) -> dict:
+async def run_level(url, model, requests, concurrency: int | None, rate: float | None, seed: int,
+                    json_fraction: float = 0.0) -> dict:
     limits = httpx.Limits(max_connections=max(64, concurrency or 0) + 16)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         gate = asyncio.Semaphore(concurrency or len(requests))
         rng = random.Random(seed)
 
-        async def guarded(prompt, n):
+        async def guarded(prompt, n, constrained):
             async with gate:
-                return await one(client, url, model, prompt, n)
+                return await one(client, url, model, prompt, n, constrained)
 
         start = time.perf_counter()
         tasks = []
-        for prompt, n in requests:
-            tasks.append(asyncio.create_task(guarded(prompt, n)))
+        for i, (prompt, n) in enumerate(requests):
+            constrained = int((i + 1) * json_fraction) > int(i * json_fraction)  # that fraction, evenly spread
+            tasks.append(asyncio.create_task(guarded(prompt, n, constrained)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)
@@ -111,7 +125,14 @@ async def run_level(url, model, requests, concurrency: int | None, rate: float |
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    by_kind = {}
+    if json_fraction:
+        for kind, want in (("constrained", True), ("unconstrained", False)):
+            group = [r for r in ok if r.constrained == want and r.output_tokens > 1]
+            by_kind[kind] = {"requests": len(group), "output_tokens": sum(r.output_tokens for r in group),
+                             "tpot_ms": summary([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in group])}
     return {
+        "json_fraction": json_fraction, **({"tpot_by_kind": by_kind} if by_kind else {}),
         "concurrency": concurrency, "rate": rate, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:3],
         "duration_s": round(wall, 2), "request_throughput": round(len(ok) / wall, 3),
@@ -165,6 +186,8 @@ def main() -> int:
     ap.add_argument("--spread", type=float, default=0.25, help="lengths vary uniformly by this fraction")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default=None, help="folder for throughput.png and latency.png")
+    ap.add_argument("--json-fraction", type=float, default=0.0,
+                    help="also run each level with this fraction of requests constrained to a JSON schema")
     args = ap.parse_args()
 
     async def run(url):
@@ -175,6 +198,8 @@ def main() -> int:
             reqs = make_requests(n, args.input_len, args.output_len, args.spread, args.seed)
             await run_level(url, args.model, reqs[:1], 1, None, args.seed)  # warm-up
             out.append(await run_level(url, args.model, reqs, c, args.rate, args.seed))
+            if args.json_fraction:
+                out.append(await run_level(url, args.model, reqs, c, args.rate, args.seed, args.json_fraction))
         return out
 
     if args.launch:

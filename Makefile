@@ -37,10 +37,10 @@ $(STAMP_BENCH): pyproject.toml | $(BIN)/python
 
 install: $(STAMP_RUN)
 
-# nginx (for the load-balancer test) comes from Debian's packages
+# nginx (for the load-balancer test) and chromium (for the console's browser tests) come from Debian's packages
 system-deps:
-	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
-	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null; }
+	@{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } && command -v chromium >/dev/null || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light chromium >/dev/null; }
 
 test: $(STAMP_TEST) system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

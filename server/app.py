@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .config import ServerConfig
 from .engine import Engine
 from .errors import ApiError, PayloadTooLarge, Unauthorized
-from . import api_misc, api_native, api_openai, api_sessions
+from . import api_console, api_misc, api_native, api_openai, api_sessions
 
 log = logging.getLogger("kvserve.app")
 PUBLIC_PATHS = {"/health"}
@@ -35,7 +35,8 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         owner = None
-        if self.keys and scope["path"] not in PUBLIC_PATHS:
+        public = scope["path"] in PUBLIC_PATHS or (scope["method"] == "GET" and scope["path"] in api_console.PUBLIC_PAGES)
+        if self.keys and not public:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
             if token not in self.keys:
@@ -84,7 +85,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
     app.state.fault_injection, app.state.started = fault_injection, int(time.time())
-    for module in (api_native, api_openai, api_sessions, api_misc):
+    for module in (api_console, api_native, api_openai, api_sessions, api_misc):
         app.include_router(module.router)
 
     @app.exception_handler(ApiError)

@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .constraints import Grammars
 from .errors import InvalidRequest, Overloaded, ShuttingDown
 from .kv_pool import KVPool
-from .metrics import Metrics
+from .metrics import Metrics, RecentSteps
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -58,7 +58,8 @@ class Engine:
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        self.recent = RecentSteps()
         self._wake = threading.Event()
         self._stopping = False
         self._outbox: list[tuple[asyncio.Queue, object]] = []  # events of the step loop, not yet handed over
@@ -84,7 +85,7 @@ class Engine:
         self._wake.set()
         if self._steps is not None:
             await asyncio.wrap_future(self._steps)  # the step in flight, if any, ends first
-        with self._lock:
+        with self.lock:
             for session in list(self.sessions):
                 self.pool.drop(session)
         self._worker.shutdown(wait=True)
@@ -108,13 +109,19 @@ class Engine:
                 f"more than the whole KV budget of {self.pool.budget} bytes",
                 param="capacity",
             )
-        with self._lock:
+        with self.lock:
             session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
+            if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
+                if not self.scheduler.evict_idle(self.pool.blocks_for(capacity), keep=session):
+                    self.sessions.remove(session)
+                    raise Overloaded(f"the KV pool cannot hold back {capacity} tokens for a static session now",
+                                     headers={"Retry-After": "1"})
+                self.pool.ensure(session)
             self.metrics.sessions.set(len(self.sessions))
         return session
 
     def delete_session(self, session: Session) -> None:
-        with self._lock:
+        with self.lock:
             self.sessions.check_idle(session)
             self.pool.drop(session)
             self.sessions.remove(session)
@@ -124,7 +131,7 @@ class Engine:
         """A new session with the parent's history, sharing its KV blocks until either side writes."""
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
-        with self._lock:
+        with self.lock:
             self.sessions.check_idle(parent)
             child = self.sessions.create(parent.capacity, parent.sizing, True, owner, session_id)
             child.tokens = list(parent.tokens)
@@ -138,7 +145,7 @@ class Engine:
         return child
 
     def rewind_session(self, session: Session, length: int) -> None:
-        with self._lock:
+        with self.lock:
             self.sessions.check_idle(session)
             if not 0 <= length <= len(session.tokens):
                 raise InvalidRequest(f"length must be between 0 and the session's length {len(session.tokens)}", param="length")
@@ -160,7 +167,7 @@ class Engine:
         longest common prefix of its history and prefills the rest. resend=False: `prompt` continues
         the session's history.
         """
-        with self._lock:
+        with self.lock:
             req = self._submit(session, prompt, params, resend, max_tokens_given, inject_fault)
         self._wake.set()
         return req
@@ -214,14 +221,14 @@ class Engine:
         sessions = [self.create_session(self.model.config.max_context, "dynamic", owner, persistent=False) for _ in params]
         reqs: list[Request] = []
         try:
-            with self._lock:
+            with self.lock:
                 self.scheduler.check_room(len(params))
                 for session, p in zip(sessions, params):
                     req = self._submit(session, prompt, p, True, max_tokens_given, False)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
         except Exception:
-            with self._lock:  # the same prompt and limits pass for every choice or for none
+            with self.lock:  # the same prompt and limits pass for every choice or for none
                 assert not reqs, "a later choice failed where the first passed"
                 for session in sessions:
                     self.sessions.remove(session)
@@ -246,7 +253,7 @@ class Engine:
                 self._hand_over()
 
     def _step(self) -> None:
-        with self._lock:
+        with self.lock:
             batch = self.scheduler.schedule()
             self._update_gauges()
             if not batch:
@@ -263,13 +270,14 @@ class Engine:
             sampled = self.runner.run(batch, rows)
         except Exception as e:  # one bad step fails its requests, never the server
             log.exception("step failed")
-            with self._lock:
+            with self.lock:
                 self.scheduler.fail_step(batch, e)
                 self._observe_finished()
             return
-        with self._lock:
+        with self.lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
             self.metrics.generation_tokens.inc(len(sampled))
+            self.recent.record(len(batch.chunks), sum(len(c.tokens) for c in batch.chunks), len(sampled))
             self.scheduler.postprocess(batch, sampled)
             self._observe_finished()
 
@@ -279,7 +287,7 @@ class Engine:
 
     def _hand_over(self) -> None:
         """Give the event loop the events since the last hand-over, in one wake-up."""
-        with self._lock:
+        with self.lock:
             events, self._outbox = self._outbox, []
         if events and self._loop is not None:
             try:
@@ -305,6 +313,8 @@ class Engine:
         queries, hits = self.scheduler.take_prefix_counts()
         m.prefix_queries.inc(queries)
         m.prefix_hits.inc(hits)
+        m.prefix_totals[0] += queries
+        m.prefix_totals[1] += hits
         m.prompt_tokens.inc(queries - hits)
         m.sessions.set(len(self.sessions))
 

@@ -1,6 +1,9 @@
 """Prometheus metrics, named after vLLM's (prefix kvserve: instead of vllm:)."""
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -40,6 +43,7 @@ class Metrics:
         self.evictions = counter("kvserve:num_session_evictions", "Idle sessions whose KV was evicted")
         self.prefix_queries = counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the KV (sessions and prefix cache)")
         self.prefix_hits = counter("kvserve:prefix_cache_hits", "Prompt tokens found in the KV, not prefilled")
+        self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
 
     def finished(self, reason: str) -> None:
@@ -47,3 +51,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RecentSteps:
+    """The last minute of steps, for the console: batch sizes and tokens generated a second."""
+
+    WINDOW_S = 60
+
+    def __init__(self) -> None:
+        self._steps: deque[tuple[float, int, int, int]] = deque()  # (time, sessions, tokens, generated)
+
+    def record(self, sessions: int, tokens: int, generated: int) -> None:
+        now = time.monotonic()
+        self._steps.append((now, sessions, tokens, generated))
+        while self._steps and self._steps[0][0] < now - self.WINDOW_S:
+            self._steps.popleft()
+
+    def summary(self) -> dict:
+        now = time.monotonic()
+        per_second = [0] * self.WINDOW_S
+        for t, _, _, generated in self._steps:
+            age = int(now - t)
+            if 0 <= age < self.WINDOW_S:
+                per_second[self.WINDOW_S - 1 - age] += generated
+        last = self._steps[-1] if self._steps else (now, 0, 0, 0)
+        return {"last_step_sessions": last[1], "last_step_tokens": last[2],
+                "tokens_per_s_last_minute": round(sum(per_second) / self.WINDOW_S, 2),
+                "tokens_per_s_by_second": per_second}

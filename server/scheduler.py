@@ -21,7 +21,7 @@ from .errors import Overloaded, StepFailed
 from .kv_pool import KVPool
 from .sampling import Sampled
 from .sequence import Request
-from .session import SessionStore
+from .session import Session, SessionStore
 
 
 class Scheduler:
@@ -116,14 +116,19 @@ class Scheduler:
         pending = s.pending
         return Chunk(req.id, s.id, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens)
 
+    def evict_idle(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
+        """Drop idle sessions' KV, least recently used first, until `need` more blocks are free -> whether they are."""
+        while self.pool.blocks.available() - planned < need:
+            idle = [s for s in self.sessions.resident_idle() if s is not keep]
+            if not idle:
+                return False
+            self.pool.drop(idle[0])
+            self.evictions += 1
+        return True
+
     def _make_room(self, req: Request, need: int, planned: int, protect: set[str], preempt: bool = True):
         """Evict idle sessions, then (if allowed) preempt younger requests, until `need` more blocks are free."""
-        while self.pool.blocks.available() - planned < need:
-            idle = [s for s in self.sessions.resident_idle() if s is not req.session]
-            if idle:
-                self.pool.drop(idle[0])
-                self.evictions += 1
-                continue
+        while not self.evict_idle(need, planned, keep=req.session):
             victims = [r for r in self.running if r is not req and r.id not in protect and r.session.cache is not None]
             if not preempt or not victims:
                 return False, planned

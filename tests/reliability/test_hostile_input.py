@@ -36,11 +36,11 @@ CASES = [
     ("/generate", {"parameters": {}}, 400, "inputs"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
     ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 10**9}}, 400, "max_new_tokens"),
-    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 500}}, 400, "capacity"),
+    ("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 600}}, 400, "context"),  # past the model's 512
     ("/generate", {"inputs": "hi", "parameters": {"temperature": -1}}, 400, "temperature"),
     ("/generate", {"inputs": "hi", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, 400, "stop"),
     ("/generate", {"inputs": ""}, 400, "empty"),
-    ("/generate", {"inputs": "word " * 100}, 400, "capacity"),
+    ("/generate", {"inputs": "word " * 600}, 400, "capacity"),
     ("/generate", {"inputs": "hi", "session_id": "nope"}, 404, "nope"),
     ("/v1/completions", {"prompt": [1, 2, 10**8], "max_tokens": 2}, 400, "vocabulary"),
     ("/v1/completions", {"prompt": [], "max_tokens": 2}, 400, "prompt"),

@@ -200,7 +200,7 @@ def test_reference_counts_return_to_zero_after_300_aborted_requests(tight_server
         if not engine.scheduler.has_work():
             break
         asyncio.run(asyncio.sleep(0.05))
-    with engine._lock:
+    with engine.lock:
         blocks = engine.pool.blocks
         blocks.check()
         assert sum(blocks.refs) == 0 and blocks.reserved == 0

@@ -1,0 +1,125 @@
+"""The web console in a real headless Chromium (Debian's, driven by Playwright) against real servers."""
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from playwright.sync_api import expect, sync_playwright
+
+from models import load_model
+
+from ..live_server import LiveServer
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium is missing: `make test` installs it (Debian package chromium)"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    page.errors = []
+    page.on("console", lambda m: m.type == "error" and page.errors.append(m.text))
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    yield page
+    context.close()
+
+
+def chat(page, text):
+    page.fill("#chat-input", text)
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".stats")).to_contain_text("tokens", timeout=60_000)  # the stats line comes at the end
+    return reply
+
+
+def test_page_loads_clean_and_streams_a_chat_reply(fast_server, page):
+    page.goto(fast_server.url + "/")
+    expect(page.locator("#model")).to_have_text("smollm2-135m-instruct")
+    page.fill("#system", "You are a concise assistant.")
+    page.fill("#seed", "1")
+    page.fill("#max-tokens", "48")
+    page.fill("#chat-input", "Name three colours of the rainbow.")
+    page.click("#send")
+    reply = page.locator(".msg.assistant").last
+    expect(reply.locator(".body")).not_to_be_empty(timeout=30_000)  # text arrives before the reply ends
+    expect(reply.locator(".stats")).to_contain_text("tokens/s", timeout=60_000)
+    expect(reply.locator(".stats")).to_contain_text("TTFT")
+    expect(reply.locator(".stats")).to_contain_text("prompt tokens cached")
+    assert page.locator("#send").is_enabled()
+    page.screenshot(path=str(DOCS / "console-chat.png"))
+    assert page.errors == []
+    assert httpx.get(fast_server.url + "/ui").text == httpx.get(fast_server.url + "/").text
+
+
+def test_a_session_made_by_the_api_appears_live_and_the_page_deletes_it(fast_server, page):
+    url = fast_server.url
+    sid = httpx.post(url + "/v1/sessions", json={"capacity": 512, "sizing": "dynamic"}).json()["id"]
+    httpx.post(url + "/generate", json={"inputs": "The history of the bicycle began", "session_id": sid,
+                                        "parameters": {"max_new_tokens": 40}}, timeout=60)
+    static = httpx.post(url + "/v1/sessions", json={"capacity": 256, "sizing": "static"}).json()["id"]
+    page.goto(url + "/")
+    page.click("button[data-tab=live]")
+    late = httpx.post(url + "/v1/sessions", json={"capacity": 300}).json()["id"]
+    row = page.locator(f'tr[data-id="{late}"]')
+    expect(row.locator(".bar")).to_be_visible(timeout=2_000)  # within 2 s of its creation
+    expect(row).to_contain_text("0 / 300")
+    expect(page.locator(f'tr[data-id="{sid}"]')).to_contain_text("/ 512")
+    expect(page.locator(f'tr[data-id="{static}"]')).to_contain_text("static")
+    expect(page.locator("#pool-text")).to_contain_text("hit rate")
+    page.screenshot(path=str(DOCS / "console-live.png"))
+    row.locator("button[data-act=delete]").click()
+    expect(row).to_have_count(0, timeout=3_000)
+    assert httpx.get(f"{url}/v1/sessions/{late}").status_code == 404
+    for other in (sid, static):
+        httpx.delete(f"{url}/v1/sessions/{other}")
+    assert page.errors == []
+
+
+def test_markup_in_a_reply_is_shown_as_text(fast_server, page):
+    page.goto(fast_server.url + "/")
+    # the real model, held by a grammar to a reply that is pure markup
+    evil = r'<script>window\.pwned=1</script><img src=x onerror=window\.pwned=2>'
+    page.fill("#extra", '{"guided_regex": "%s", "max_tokens": 64}' % evil.replace("\\", "\\\\"))
+    reply = chat(page, "Say something.")
+    assert reply.locator(".body").inner_text().strip() == "<script>window.pwned=1</script><img src=x onerror=window.pwned=2>"
+    assert page.locator("#messages img, #messages script").count() == 0
+    assert page.evaluate("window.pwned") is None
+    assert page.errors == []
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_checkpoints):
+    with LiveServer(load_model(str(tiny_checkpoints["llama"])), api_keys=("key-alice", "key-bob")) as server:
+        yield server
+
+
+def test_with_api_keys_the_page_asks_for_one_and_shows_its_owners_sessions_only(keyed_server, page):
+    url = keyed_server.url
+    mine = httpx.post(url + "/v1/sessions", json={}, headers={"authorization": "Bearer key-alice"}).json()["id"]
+    theirs = httpx.post(url + "/v1/sessions", json={}, headers={"authorization": "Bearer key-bob"}).json()["id"]
+    page.goto(url + "/")
+    expect(page.locator("#key-form")).to_be_visible()
+    expect(page.locator("#app")).to_be_hidden()
+    page.fill("#key-input", "key-alice")
+    page.click("#key-form button")
+    page.click("button[data-tab=live]")
+    expect(page.locator(f'tr[data-id="{mine}"]')).to_be_visible(timeout=2_000)
+    expect(page.locator(f'tr[data-id="{theirs}"]')).to_have_count(0)
+    assert page.evaluate("sessionStorage.getItem('kvserve-key')") == "key-alice"
+    page.reload()  # kept for the browser session: no second prompt
+    expect(page.locator("#app")).to_be_visible()
+
+
+def test_the_page_stays_small():
+    assert sum(f.stat().st_size for f in (ROOT / "server" / "console").iterdir()) < 200_000

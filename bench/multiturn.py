@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_bench import WORDS, summary  # noqa: E402
+from launch import add_target_args, launched_server  # noqa: E402
+from serve_bench import WORDS, sse_events, summary  # noqa: E402
 
 
 def sentence(rng: random.Random, words: int) -> str:
@@ -40,13 +41,7 @@ async def turn(client: httpx.AsyncClient, url: str, model: str, messages: list[d
     async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
+        async for event in sse_events(r):
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
             delta = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
@@ -99,10 +94,7 @@ async def run(args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--launch", action="store_true", help="start a local kvserve serve for the run")
-    ap.add_argument("--serve-args", default="", help="extra arguments for the launched server")
+    add_target_args(ap)
     ap.add_argument("--sessions", action="store_true", help="one kvserve session per user (X-Session-Id)")
     ap.add_argument("--users", type=int, default=32)
     ap.add_argument("--turns", type=int, default=6)
@@ -112,8 +104,6 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.launch:
-        from launch import launched_server
-
         with launched_server(args.model, args.serve_args.split()) as url:
             args.url = url
             report = asyncio.run(run(args))

@@ -25,6 +25,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).parent))
+from launch import add_target_args, launched_server  # noqa: E402
+
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain city music science story").split()
 
@@ -54,6 +57,17 @@ def make_requests(n: int, input_len: int, output_len: int, spread: float, seed: 
     return [(" ".join(rng.choice(WORDS) for _ in range(around(input_len))), around(output_len)) for _ in range(n)]
 
 
+async def sse_events(response: httpx.Response):
+    """The JSON events of a streamed OpenAI response, until [DONE]."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
               constrained: bool = False) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
@@ -66,13 +80,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return Result(ok=False, error=f"{r.status_code}: {(await r.aread())[:200]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                event = json.loads(data)
+            async for event in sse_events(r):
                 if event.get("usage"):
                     res.output_tokens = event["usage"]["completion_tokens"]
                 if not event.get("choices") or not event["choices"][0].get("text"):
@@ -174,10 +182,7 @@ def plot(levels: list[dict], folder: Path) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:8000")
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--launch", action="store_true", help="start a local kvserve serve for the run")
-    ap.add_argument("--serve-args", default="", help="extra arguments for the launched server")
+    add_target_args(ap)
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (ignored with --rate)")
     ap.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this many requests/s")
     ap.add_argument("--num-prompts", type=int, default=0, help="requests per level (default 2x the level, at least 8)")
@@ -203,9 +208,6 @@ def main() -> int:
         return out
 
     if args.launch:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from launch import launched_server
-
         with launched_server(args.model, args.serve_args.split()) as url:
             levels = asyncio.run(run(url))
     else:

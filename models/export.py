@@ -23,7 +23,7 @@ from .tokenizer import TextTokenizer
 
 ARTIFACT_FORMAT = 2
 PROGRAM_FILE = "model.pt2"
-MODULE_FILE = "program.fx.pt"  # the same program, unlifted and pickled: loads in ~0.5 s where the .pt2 takes ~12 s
+MODULE_FILE = "program.fx.pt"  # the same program, unlifted and pickled: torch.export.load is far slower to deserialize
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,6 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Request:
         params,
         resend=False,
         max_tokens_given=body.parameters.max_new_tokens is not None,
-        inject_fault=body.debug_fail_step,
     )[0]
 
 

@@ -99,7 +99,7 @@ def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_toke
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
     return flow.start(
         http, flow.session_id_of(http, body.session_id), prompt, params,
-        resend=True, max_tokens_given=max_tokens is not None, n=body.n, inject_fault=body.debug_fail_step,
+        resend=True, max_tokens_given=max_tokens is not None, n=body.n,
     )
 
 

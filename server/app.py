@@ -74,7 +74,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"{field or 'body'}: {first.get('msg')}{more}", field
 
 
-def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = frozenset(), fault_injection: bool = False) -> FastAPI:
+def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = frozenset()) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -84,7 +84,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
-    app.state.fault_injection, app.state.started = fault_injection, int(time.time())
+    app.state.started = int(time.time())
     for module in (api_console, api_native, api_openai, api_sessions, api_misc):
         app.include_router(module.router)
 

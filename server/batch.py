@@ -20,7 +20,6 @@ class StepBatch:
     """Everything one forward runs, in the order of the flat token axis."""
 
     chunks: tuple[Chunk, ...] = ()
-    inject_fault: bool = False  # test hook: fail this step after the forward (see --fault-injection)
 
     @property
     def n_tokens(self) -> int:

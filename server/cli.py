@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import uvicorn
+
 from kvcache import Sizing
 
 from .config import KV_DTYPES, EngineConfig, ServerConfig, parse_bytes
@@ -117,8 +119,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from models.loader import load_model
 
     from .app import create_app
@@ -131,7 +131,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
-    app = create_app(engine, server_config, frozenset(args.api_key or ()), args.fault_injection)
+    app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -141,29 +141,25 @@ def cmd_serve(args) -> int:
     return 0
 
 
-class DrainingServer:
+class DrainingServer(uvicorn.Server):
     """uvicorn, except that SIGTERM first drains: new work gets 503 while in-flight requests finish."""
 
-    def __new__(cls, config, engine, timeout):
-        import uvicorn
+    def __init__(self, config: uvicorn.Config, engine, timeout: float) -> None:
+        super().__init__(config)
+        self.engine, self.timeout, self.draining = engine, timeout, False
 
-        class _Server(uvicorn.Server):
-            draining = False
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.draining:
+            self.draining = True
+            log.info("SIGTERM: draining for up to %.0fs", self.timeout)
+            asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            return
+        super().handle_exit(sig, frame)
 
-            def handle_exit(self, sig, frame):
-                if sig == signal.SIGTERM and not self.draining:
-                    self.draining = True
-                    log.info("SIGTERM: draining for up to %.0fs", timeout)
-                    asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-                    return
-                super().handle_exit(sig, frame)
-
-            async def _drain(self):
-                finished = await engine.drain(timeout)
-                log.info("drained (%s); exiting", "all finished" if finished else "timed out")
-                self.should_exit = True
-
-        return _Server(config)
+    async def _drain(self) -> None:
+        finished = await self.engine.drain(self.timeout)
+        log.info("drained (%s); exiting", "all finished" if finished else "timed out")
+        self.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,7 +201,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeat for several keys)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=ServerConfig().max_body_bytes)
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
-    p.add_argument("--fault-injection", action="store_true", help="honour debug_fail_step in requests (testing only)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
 

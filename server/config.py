@@ -38,6 +38,7 @@ class EngineConfig:
     max_prompt_tokens: int = 32768
     max_sessions: int = 4096  # persistent sessions, resident or evicted
     kv_dtype: str = "auto"  # float32, float16, or auto: float16 beside non-f32 weights, else the model's dtype
+    retry_after_s: int = 1  # what a 429 tells the client to wait
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued"):
@@ -53,7 +54,5 @@ class ServerConfig:
     """HTTP-facing settings."""
 
     model_name: str = "model"
-    api_key: str | None = None
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
-    retry_after_s: int = 1

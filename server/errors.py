@@ -37,7 +37,12 @@ class PayloadTooLarge(ApiError):
 
 
 class Overloaded(ApiError):
+    """The server is full for now: the answer says when to try again."""
+
     status, kind = 429, "rate_limit_error"
+
+    def __init__(self, message: str, param: str | None = None, retry_after_s: int = 1) -> None:
+        super().__init__(message, param, {"Retry-After": str(retry_after_s)})
 
 
 class ShuttingDown(ApiError):

@@ -45,13 +45,10 @@ def start(
     resend: bool,
     max_tokens_given: bool,
     n: int = 1,
-    inject_fault: bool = False,
 ) -> list[Request]:
     """Submit to the engine, on the named session or on a temporary one removed when done; n > 1 runs
     n choices, each on a temporary session, the prompt prefilled once and forked."""
     engine = engine_of(http)
-    if inject_fault and not http.app.state.fault_injection:
-        raise InvalidRequest("debug_fail_step needs a server started with --fault-injection", param="debug_fail_step")
     owner = owner_of(http)
     if n > 1:
         if session_id is not None:
@@ -65,7 +62,7 @@ def start(
     else:  # a temporary session is sized to its request: a dynamic one, bounded by the model's context
         session, temporary = engine.create_session(engine.model.config.max_context, "dynamic", owner, persistent=False), True
     try:
-        return [engine.submit(session, prompt, params, resend, max_tokens_given, inject_fault)]
+        return [engine.submit(session, prompt, params, resend, max_tokens_given)]
     except Exception:
         if temporary:
             engine.delete_session(session)

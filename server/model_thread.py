@@ -2,8 +2,8 @@
 
 libgomp gives every thread that starts a parallel region a team of its own. Once a second team
 exists (say the event loop's, from loading the model), libgomp sees more threads than cores and
-stops spinning between regions, and a decode step, ~150 short parallel regions, takes 2-3x as long
-(measured: 7.3 ms with one team, 21 ms with two). So the model thread owns every core, and the event
+stops spinning between regions, and a decode step, made of many short parallel regions, takes several
+times as long (docs/performance.md). So the model thread owns every core, and the event
 loop thread keeps its own torch work (cache allocation, copies) on itself.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ TORCH_THREADS = torch.get_num_threads()
 # glibc's mallopt parameters, and the sizes up to which freed blocks stay in the heap for reuse. By
 # default glibc maps larger blocks afresh and trims the heap's free top, so each step's big tensors
 # (logits, [32, 49152] sampling temporaries) came back as new pages, faulted in one at a time:
-# temperature sampling of 32 rows took 11-13 ms a step, 3-4 ms with these limits.
+# temperature sampling of a full batch took several times as long as with these limits.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEEP_BLOCKS_BELOW = 32 << 20
 KEEP_FREE_TOP = 64 << 20

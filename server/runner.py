@@ -16,10 +16,6 @@ WARM_UP_TOKENS = 8  # rows enough for every matmul to take its batched path once
 WARM_UP_KEY = "kvserve-warm-up"
 
 
-class InjectedFault(RuntimeError):
-    """Raised on purpose by a step marked for fault injection (tests and drills only)."""
-
-
 class ModelRunner:
     """Owns the exported program; called from the engine's single worker thread."""
 
@@ -63,6 +59,4 @@ class ModelRunner:
             raise
         finally:
             self.registry.set_active(None)
-        if batch.inject_fault:
-            raise InjectedFault("fault injected into this step on request")
         return sample(logits, rows) if ends else []

@@ -116,7 +116,7 @@ def _candidates(scaled: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tens
     short = [i for i, (p, row, lt) in enumerate(zip(params, top, log_total)) if k < vocab and not _covered(p, row, lt, k)]
     if short:
         # Only the rows whose kept tokens reach past the candidates are sorted whole (a full sort costs
-        # ~2.5 ms a row; at temperature 1 and top-p 0.95 about one row in ten needs it); the others keep
+        # several times a whole step's sampling; at temperature 1 and top-p 0.95 few rows need it); the others keep
         # their candidates, with -inf after them, which their filters would have masked anyway.
         wide_top = torch.full((m, vocab), float("-inf"))
         wide_order = torch.zeros((m, vocab), dtype=torch.long)
@@ -159,8 +159,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
         logits = _constrain(logits, rows)
     if any(r.params.penalized for r in rows):
         logits = _penalize(logits, rows)
-    # numpy's argmax, not torch's: on [32, 49152] logits torch's took 1.9 ms and numpy's 0.15 ms (0.07 and
-    # 0.006 ms for one row); both return the first of equal maxima.
+    # numpy's argmax, not torch's: torch's CPU argmax over a vocabulary-wide row is an order of magnitude slower
+    # (docs/performance.md); both return the first of equal maxima.
     tokens = torch.from_numpy(logits.detach().numpy().argmax(-1))  # [m]
     if not all(r.params.greedy for r in rows):
         greedy = torch.tensor([r.params.greedy for r in rows])

@@ -41,7 +41,7 @@ class Scheduler:
         if len(self.waiting) + n > self.config.max_queued:
             raise Overloaded(
                 f"server is full: {len(self.running)} running and {len(self.waiting)} waiting requests",
-                headers={"Retry-After": "1"},
+                retry_after_s=self.config.retry_after_s,
             )
 
     def add(self, req: Request) -> None:
@@ -82,7 +82,7 @@ class Scheduler:
             n, planned = admitted
             chunks.append(self._chunk(req, n))
             tokens_left -= n
-        return StepBatch(tuple(chunks), inject_fault=any(self.by_id[c.request_id].inject_fault for c in chunks))
+        return StepBatch(tuple(chunks))
 
     def _admit(self, req: Request, tokens_left: int, planned: int, protect: set[str]) -> tuple[int, int] | None:
         """Install the request's cache (reusing what the pool holds) and plan its first chunk -> (tokens, planned)."""

@@ -80,7 +80,6 @@ class GenerateRequest(_Body):
     parameters: GenerateParameters = GenerateParameters()
     stream: bool = False
     session_id: str | None = None
-    debug_fail_step: bool = False  # honoured only with --fault-injection
 
 
 class JsonSchemaFormat(_Body):
@@ -151,7 +150,6 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     session_id: str | None = None
-    debug_fail_step: bool = False
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions: the output matches a JSON schema, a regex, a Lark or GBNF grammar, or one of some strings

@@ -33,7 +33,7 @@ class TokenEvent:
 class Finished:
     """The end of a request, with its usage."""
 
-    reason: str  # "stop" | "length" | "cancelled" | "error"
+    reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
     text: str  # text released at the end (held-back tail, if no stop string matched)
     prompt_tokens: int
     completion_tokens: int
@@ -53,7 +53,6 @@ class Request:
     id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
     parent: Request | None = None  # for the other choices of an n > 1 request: the one that prefills the prompt
     constraint: Constraint | None = None  # the grammar its output must match, if any
-    inject_fault: bool = False
     history_before: list[int] = field(default_factory=list)  # the session's history before this request
     kept: int = 0  # how much of history_before the request kept
     prompt_ids: list[int] = field(default_factory=list)  # the history it starts from (repetition penalty)
@@ -100,12 +99,15 @@ class Request:
         self.session.tokens.append(s.token)
         if self.constraint is not None:
             self.constraint.accept(s.token)
-        is_eos = (s.token in eos_ids and not self.params.ignore_eos) or s.token in self.params.stop_token_ids
-        delta = "" if is_eos else self.stops.feed(self.detok.push(s.token))
+        is_eos = s.token in eos_ids and not self.params.ignore_eos
+        stop_token = s.token in self.params.stop_token_ids
+        delta = "" if is_eos or stop_token else self.stops.feed(self.detok.push(s.token))
         self.text += delta
         self._emit(TokenEvent(s.token, delta, s.logprob, s.top))
-        if is_eos or self.stops.stopped or (self.constraint is not None and self.constraint.done):
-            self.finish("stop")
+        if is_eos or (self.constraint is not None and self.constraint.done):
+            self.finish("eos")  # the reply ended by itself (or its grammar did)
+        elif stop_token or self.stops.stopped:
+            self.finish("stop")  # one of the request's own stops
         elif not self.wants_tokens or len(self.session.tokens) >= self.session.capacity:
             self.finish("length")
 

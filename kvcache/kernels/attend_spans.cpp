@@ -240,7 +240,7 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
               "one pool pair, table start, offset, length and size per span, at least one span");
   TORCH_CHECK(q_in.dim() == 4 && q_in.size(0) == 1 && k_in.dim() == 4 && k_in.size(0) == 1 && v_in.dim() == 4 &&
                   v_in.size(0) == 1, "q, k, v must be [1, H, S, D]");
-  // Batch is 1, so a contiguous [1, H, S, D] is laid out as [H, S, D] (no select: a view costs ~1 us a call).
+  // Batch is 1, so a contiguous [1, H, S, D] is laid out as [H, S, D] (no select: a view per call adds up).
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attend_spans works in float32");

@@ -254,3 +254,22 @@ def test_default_weights_server_streams_the_fast_models_greedy_tokens(fast_serve
             if line.startswith("data:"):
                 ids.append(json.loads(line[5:])["token"]["id"])
     assert ids == want
+
+
+def test_an_eos_token_finishes_as_eos_token_on_tgi_and_stop_on_openai(fast_server):
+    url = fast_server.url
+    prompt = "<|im_start|>user\nReply with one word: yes or no. Is water wet?<|im_end|>\n<|im_start|>assistant\n"
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 64, "details": True}}
+    out = httpx.post(url + "/generate", json=body, timeout=60).json()
+    details = out["details"]
+    assert details["finish_reason"] == "eos_token" and details["generated_tokens"] < 64
+    with httpx.stream("POST", url + "/generate_stream", json=body, timeout=60) as r:
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    assert events[-1]["details"]["finish_reason"] == "eos_token"
+    stopped = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {
+        "max_new_tokens": 64, "details": True, "stop": [out["generated_text"].strip()[:1]]}}, timeout=60).json()["details"]
+    assert stopped["finish_reason"] == "stop_sequence"
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}], "max_tokens": 64, "temperature": 0},
+        timeout=60).json()
+    assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["completion_tokens"] < 64

@@ -139,7 +139,7 @@ def test_eos_finishes_and_failed_step_rolls_back(tokenizer):
     sched, sessions, _ = make()
     req = submit(sched, sessions, tokenizer, 3, max_tokens=10)
     run_step(sched, sched.schedule(), token=EOS)
-    assert req.finished.reason == "stop"
+    assert req.finished.reason == "eos"
     s = sessions.create(64, Sizing.DYNAMIC, True, None)
     req = submit(sched, sessions, tokenizer, 3, max_tokens=10, session=s)
     run_step(sched, sched.schedule())

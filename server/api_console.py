@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import FileResponse
 
-from . import flow
+from . import generation
 from .engine import Engine
 from .errors import NotFound
 from .schemas import ERROR_RESPONSES
@@ -39,9 +39,9 @@ async def asset(name: str) -> FileResponse:
 @router.get("/v1/status")
 async def status(http: HttpRequest) -> dict:
     """Sessions (the caller's own, with API keys on), the KV pool, the queue and the last minute's steps."""
-    engine = flow.engine_of(http)
+    engine = generation.engine_of(http)
     with engine.lock:
-        return snapshot(engine, flow.owner_of(http), http.app.state.started)
+        return snapshot(engine, generation.owner_of(http), http.app.state.started)
 
 
 def owner_label(owner: str | None) -> str | None:

@@ -6,7 +6,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from . import flow, tools
+from . import generation, tools
 from .errors import InvalidRequest
 from .schemas import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 
@@ -15,19 +15,19 @@ router = APIRouter(tags=["utility"], responses=ERROR_RESPONSES)
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, http: HttpRequest) -> dict:
-    tok = flow.engine_of(http).tokenizer
+    tok = generation.engine_of(http).tokenizer
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
     if body.messages is not None:
         ids = tok.encode(tok.apply_chat_template([tools.plain_message(m) for m in body.messages]), add_special=False)
     else:
         ids = tok.encode(body.prompt, add_special=body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": flow.engine_of(http).model.config.max_context}
+    return {"tokens": ids, "count": len(ids), "max_model_len": generation.engine_of(http).model.config.max_context}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, http: HttpRequest) -> dict:
-    engine = flow.engine_of(http)
+    engine = generation.engine_of(http)
     vocab = engine.model.config.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
@@ -37,7 +37,7 @@ async def detokenize(body: DetokenizeRequest, http: HttpRequest) -> dict:
 
 @router.get("/health")
 async def health(http: HttpRequest):
-    engine = flow.engine_of(http)
+    engine = generation.engine_of(http)
     if not engine.accepting:
         return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok", "model": http.app.state.config.model_name}
@@ -45,4 +45,4 @@ async def health(http: HttpRequest):
 
 @router.get("/metrics")
 async def metrics(http: HttpRequest) -> Response:
-    return Response(flow.engine_of(http).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(generation.engine_of(http).metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -9,12 +9,12 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from . import flow, tools
+from . import generation, tools
 from .constraints import Grammars
 from .errors import InvalidRequest
 from .sampling import SamplingParams
 from .schemas import ERROR_RESPONSES, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from .sequence import Finished, Request, TokenEvent
+from .sequence import Finished, Sequence, TokenEvent
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 
@@ -89,16 +89,16 @@ def _output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: l
 
 
 def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None,
-           logprobs: int | None, tool_functions: list[dict] | None = None) -> list[Request]:
-    flow.check_model(http, body.model)
-    engine = flow.engine_of(http)
+           logprobs: int | None, tool_functions: list[dict] | None = None) -> list[Sequence]:
+    generation.check_model(http, body.model)
+    engine = generation.engine_of(http)
     grammar = _output_grammar(engine.grammars, body, tool_functions)
     params = openai_params(body, max_tokens if max_tokens is not None else MAX_TOKENS_LIMIT, logprobs,
                            engine.model.config.vocab_size, grammar)
     if len(params.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
-    return flow.start(
-        http, flow.session_id_of(http, body.session_id), prompt, params,
+    return generation.start(
+        http, generation.session_id_of(http, body.session_id), prompt, params,
         resend=True, max_tokens_given=max_tokens is not None, n=body.n,
     )
 
@@ -149,8 +149,8 @@ def _response(http: HttpRequest, kind: str, finished: list[Finished], choices: l
     }
 
 
-async def _collect_all(http: HttpRequest, reqs: list[Request]) -> list[tuple[list[TokenEvent], Finished]]:
-    return list(await asyncio.gather(*(flow.collect(http, r) for r in reqs)))
+async def _collect_all(http: HttpRequest, reqs: list[Sequence]) -> list[tuple[list[TokenEvent], Finished]]:
+    return list(await asyncio.gather(*(generation.collect(http, r) for r in reqs)))
 
 
 class _Stream:
@@ -168,14 +168,14 @@ class _Stream:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
         if usage is not None:
             out["usage"] = usage
-        return flow.sse(out)
+        return generation.sse(out)
 
     async def _events(self):
         if len(self.reqs) == 1:  # no task per choice on the common path
-            async for event in flow.events(self.http, self.reqs[0], watch_disconnect=False):
+            async for event in generation.events(self.http, self.reqs[0], watch_disconnect=False):
                 yield 0, event
         else:
-            async for pair in flow.merged(self.http, self.reqs):
+            async for pair in generation.merged(self.http, self.reqs):
                 yield pair
 
     async def __aiter__(self):
@@ -191,20 +191,24 @@ class _Stream:
                     yield self.chunk([choice])
                 continue
             if event.error is not None:
-                yield flow.sse_error(event.error)
+                yield generation.sse_error(event.error)
                 return
+            if event.last is not None:  # the token that ended the choice comes with its end
+                choice = self.make_choice(i, event.last.text, event.last if self.want_logprobs else None, None)
+                if choice is not None:
+                    yield self.chunk([choice])
             finished[i] = event
             for choice in self.make_final(i, event):
                 yield self.chunk([choice])
         opts = self.body.stream_options
         if opts is not None and opts.include_usage:
             yield self.chunk([], _usage(finished))
-        yield flow.sse("[DONE]")
+        yield generation.sse("[DONE]")
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: HttpRequest):
-    tok = flow.engine_of(http).tokenizer
+    tok = generation.engine_of(http).tokenizer
     prompt = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt)
     reqs = _start(http, body, prompt, body.max_tokens, body.logprobs)
     echo = (body.prompt if isinstance(body.prompt, str) else tok.decode(body.prompt)) if body.echo else ""
@@ -218,7 +222,7 @@ async def completions(body: CompletionRequest, http: HttpRequest):
             return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
         return StreamingResponse(_Stream(http, reqs, body, "completion", choice, body.logprobs is not None).__aiter__(),
-                                 media_type="text/event-stream", headers=flow.SSE_HEADERS)
+                                 media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
     choices = [{"text": echo + req.text,
                 "logprobs": _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None}
@@ -228,7 +232,7 @@ async def completions(body: CompletionRequest, http: HttpRequest):
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
-    tok = flow.engine_of(http).tokenizer
+    tok = generation.engine_of(http).tokenizer
     messages, template_tools = tools.chat_messages(body, tok.template_has_tools)
     text = tok.apply_chat_template(messages, body.add_generation_prompt, template_tools)
     prompt = tok.encode(text, add_special=False)
@@ -262,7 +266,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
                            "finish_reason": "tool_calls" if calls else OPENAI_REASONS[f.reason]}]
 
         return StreamingResponse(_Stream(http, reqs, body, "chat", choice, body.logprobs, final).__aiter__(),
-                                 media_type="text/event-stream", headers=flow.SSE_HEADERS)
+                                 media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
     choices = []
     for req, (events, _) in zip(reqs, results):
@@ -275,7 +279,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
 
 @router.get("/v1/models")
 async def models(http: HttpRequest) -> dict:
-    engine = flow.engine_of(http)
+    engine = generation.engine_of(http)
     return {"object": "list", "data": [{
         "id": http.app.state.config.model_name,
         "object": "model",

@@ -4,7 +4,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 
-from . import flow
+from . import generation
 from .schemas import ERROR_RESPONSES, SessionCreate, SessionFork, SessionRewind
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RESPONSES)
@@ -13,36 +13,36 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RES
 @router.post("")
 async def create_session(http: HttpRequest, body: SessionCreate | None = None) -> dict:
     body = body or SessionCreate()
-    engine = flow.engine_of(http)
+    engine = generation.engine_of(http)
     # behind a load balancer that hashes X-Session-Id, the client picks the id it will route on
     chosen = body.id or http.headers.get("x-session-id")
-    session = engine.create_session(body.capacity, body.sizing, flow.owner_of(http), session_id=chosen)
+    session = engine.create_session(body.capacity, body.sizing, generation.owner_of(http), session_id=chosen)
     return {"object": "session", **session.info()}
 
 
 @router.get("")
 async def list_sessions(http: HttpRequest) -> dict:
-    owner = flow.owner_of(http)
-    sessions = [s.info() for s in flow.engine_of(http).sessions if s.persistent and s.owner == owner]
+    owner = generation.owner_of(http)
+    sessions = [s.info() for s in generation.engine_of(http).sessions if s.persistent and s.owner == owner]
     return {"object": "list", "data": sessions}
 
 
 @router.get("/{session_id}")
 async def get_session(session_id: str, http: HttpRequest) -> dict:
-    return {"object": "session", **flow.engine_of(http).sessions.get(session_id, flow.owner_of(http)).info()}
+    return {"object": "session", **generation.engine_of(http).sessions.get(session_id, generation.owner_of(http)).info()}
 
 
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, http: HttpRequest) -> dict:
-    engine = flow.engine_of(http)
-    engine.delete_session(engine.sessions.get(session_id, flow.owner_of(http)))
+    engine = generation.engine_of(http)
+    engine.delete_session(engine.sessions.get(session_id, generation.owner_of(http)))
     return {"id": session_id, "object": "session", "deleted": True}
 
 
 @router.post("/{session_id}/rewind")
 async def rewind_session(session_id: str, body: SessionRewind, http: HttpRequest) -> dict:
-    engine = flow.engine_of(http)
-    session = engine.sessions.get(session_id, flow.owner_of(http))
+    engine = generation.engine_of(http)
+    session = engine.sessions.get(session_id, generation.owner_of(http))
     engine.rewind_session(session, body.length)
     return {"object": "session", **session.info()}
 
@@ -50,8 +50,8 @@ async def rewind_session(session_id: str, body: SessionRewind, http: HttpRequest
 @router.post("/{session_id}/fork")
 async def fork_session(session_id: str, http: HttpRequest, body: SessionFork | None = None) -> dict:
     """A new session with this one's history; the two share KV blocks until either writes into one."""
-    engine = flow.engine_of(http)
-    owner = flow.owner_of(http)
+    engine = generation.engine_of(http)
+    owner = generation.owner_of(http)
     parent = engine.sessions.get(session_id, owner)
     child = engine.fork_session(parent, owner, session_id=body.id if body is not None else None)
     return {"object": "session", "parent": parent.id, **child.info()}

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .config import ServerConfig
 from .engine import Engine
 from .errors import ApiError, PayloadTooLarge, Unauthorized
-from . import api_console, api_misc, api_native, api_openai, api_sessions
+from . import api_console, api_misc, api_openai, api_sessions, api_tgi
 
 log = logging.getLogger("kvserve.app")
 PUBLIC_PATHS = {"/health"}
@@ -85,7 +85,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
-    for module in (api_console, api_native, api_openai, api_sessions, api_misc):
+    for module in (api_console, api_tgi, api_openai, api_sessions, api_misc):
         app.include_router(module.router)
 
     @app.exception_handler(ApiError)

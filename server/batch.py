@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .sampling import SampleRow
+
 
 @dataclass(frozen=True)
 class Chunk:
@@ -20,6 +22,7 @@ class StepBatch:
     """Everything one forward runs, in the order of the flat token axis."""
 
     chunks: tuple[Chunk, ...] = ()
+    rows: tuple[SampleRow, ...] = ()  # what the sampler needs, one per chunk that samples, in order
 
     @property
     def n_tokens(self) -> int:

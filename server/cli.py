@@ -107,6 +107,8 @@ def cmd_generate(args) -> int:
         req = engine.submit(session, prompt, params, resend=False)
         while True:
             event = await req.events.get()
+            if isinstance(event, Finished) and event.last is not None:
+                sys.stdout.write(event.last.text)
             sys.stdout.write(event.text)
             sys.stdout.flush()
             if isinstance(event, Finished):

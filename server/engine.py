@@ -28,7 +28,7 @@ from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Request
+from .sequence import Sequence
 from .session import Session, SessionStore, common_prefix
 
 log = logging.getLogger("kvserve.engine")
@@ -46,15 +46,13 @@ class Engine:
         self.sessions = SessionStore(config.max_sessions)
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
-        self.runner = ModelRunner(model, registry)
+        self.runner = ModelRunner(model, registry)  # its grammar masks are computed on a side thread
         keep_step_buffers()
         # warm-up and every step run here; given the executor that loaded the model, torch keeps one thread team
         self._worker = worker or model_thread()
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
         self.grammars = Grammars(self.tokenizer)
-        # grammar masks are computed here while the model thread runs the forward
-        self._masks = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
         self.default_capacity = min(config.session_capacity, c.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
@@ -89,7 +87,7 @@ class Engine:
             for session in list(self.sessions):
                 self.pool.drop(session)
         self._worker.shutdown(wait=True)
-        self._masks.shutdown(wait=True)
+        self.runner.close()
 
     # ---- sessions --------------------------------------------------------------------------
     def create_session(
@@ -159,7 +157,7 @@ class Engine:
         params: SamplingParams,
         resend: bool,
         max_tokens_given: bool = True,
-    ) -> Request:
+    ) -> Sequence:
         """Validate and enqueue; nothing about the session changes unless the request is accepted.
 
         resend=True: `prompt` is the whole conversation (OpenAI clients); the session keeps the
@@ -172,7 +170,7 @@ class Engine:
         return req
 
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-                max_tokens_given: bool) -> Request:
+                max_tokens_given: bool) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -200,7 +198,7 @@ class Engine:
         if need > self.pool.budget:
             raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
-        req = Request(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
+        req = Sequence(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
                       history_before=list(session.tokens), kept=keep, sink=self._post)
         if params.grammar is not None:
             req.constraint = self.grammars.matcher(params.grammar)
@@ -214,11 +212,11 @@ class Engine:
         return req
 
     def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
-                       max_tokens_given: bool) -> list[Request]:
+                       max_tokens_given: bool) -> list[Sequence]:
         """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
         others fork its KV once that is cached (kept out of the queue's way until then)."""
         sessions = [self.create_session(self.model.config.max_context, "dynamic", owner, persistent=False) for _ in params]
-        reqs: list[Request] = []
+        reqs: list[Sequence] = []
         try:
             with self.lock:
                 self.scheduler.check_room(len(params))
@@ -235,7 +233,7 @@ class Engine:
         self._wake.set()
         return reqs
 
-    def cancel(self, req: Request) -> None:
+    def cancel(self, req: Sequence) -> None:
         if req.finished is None:
             req.cancelled = True
             self._wake.set()
@@ -259,14 +257,12 @@ class Engine:
                 self._wake.clear()
                 self._observe_finished()  # requests cancelled while waiting
                 waiting = self.scheduler.has_work()  # work that cannot run yet (nothing fits): look again shortly
-            else:
-                rows = [self.scheduler.by_id[c.request_id].sample_row(self._masks) for c in batch.chunks if c.sample]
         if not batch:
             self._hand_over()
             self._wake.wait(0.005 if waiting else None)
             return
         try:
-            sampled = self.runner.run(batch, rows)
+            sampled = self.runner.run(batch)
         except Exception as e:  # one bad step fails its requests, never the server
             log.exception("step failed")
             with self.lock:
@@ -276,7 +272,7 @@ class Engine:
         with self.lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
             self.metrics.generation_tokens.inc(len(sampled))
-            self.recent.record(len(batch.chunks), sum(len(c.tokens) for c in batch.chunks), len(sampled))
+            self.recent.record(len(batch.chunks), batch.n_tokens, len(sampled))
             self.scheduler.postprocess(batch, sampled)
             self._observe_finished()
 

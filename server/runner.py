@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -9,7 +10,7 @@ from kvcache import CacheConfig, CacheRegistry, SessionCache
 from models.export import LoadedModel
 
 from .batch import StepBatch
-from .sampling import Sampled, SampleRow, sample
+from .sampling import Sampled, sample
 
 
 WARM_UP_TOKENS = 8  # rows enough for every matmul to take its batched path once
@@ -22,6 +23,11 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, registry: CacheRegistry) -> None:
         self.model = model
         self.registry = registry
+        # grammar masks are computed here while the model thread runs the forward
+        self._masks = ThreadPoolExecutor(1, thread_name_prefix="kvserve-masks")
+
+    def close(self) -> None:
+        self._masks.shutdown(wait=True)
 
     def warm_up(self, layout: CacheConfig) -> None:
         """One throwaway forward before serving: batched kernels pack their weights on first use (about
@@ -36,7 +42,9 @@ class ModelRunner:
         finally:
             self.registry.uninstall(WARM_UP_KEY)
 
-    def run(self, batch: StepBatch, rows: list[SampleRow]) -> list[Sampled]:
+    def run(self, batch: StepBatch) -> list[Sampled]:
+        """activate (validate, reserve) -> forward -> commit; sample the rows of the chunks that ask for it."""
+        masks = [self._masks.submit(r.constraint.allowed) if r.constraint is not None else None for r in batch.rows]
         tokens = [t for c in batch.chunks for t in c.tokens]
         positions = [c.start + i for c in batch.chunks for i in range(len(c.tokens))]
         ends, at = [], 0
@@ -44,7 +52,7 @@ class ModelRunner:
             at += len(c.tokens)
             if c.sample:
                 ends.append(at - 1)  # the last row of a chunk predicts the token after it
-        # activate (validate, reserve) -> forward -> commit; a forward that raises gives the reservation back
+        # a forward that raises gives the step's reservation back
         step = self.registry.activate([(c.session_id, len(c.tokens)) for c in batch.chunks])
         try:
             with torch.inference_mode():
@@ -59,4 +67,4 @@ class ModelRunner:
             raise
         finally:
             self.registry.set_active(None)
-        return sample(logits, rows) if ends else []
+        return sample(logits, list(batch.rows), [m.result() if m is not None else None for m in masks]) if ends else []

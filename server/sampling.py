@@ -6,10 +6,14 @@ the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 import math
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from .constraints import Constraint
 
 
 @dataclass(frozen=True)
@@ -49,7 +53,7 @@ class SampleRow:
     generator: torch.Generator
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
-    allowed: Future | None = None  # -> bool [V]: the tokens a constrained row may take, computed beside the forward
+    constraint: Constraint | None = None  # the grammar the row's output must match
 
 
 @dataclass(frozen=True)
@@ -139,24 +143,26 @@ def _covered(p: SamplingParams, top: torch.Tensor, log_total: torch.Tensor, k: i
 BANNED = -100.0  # OpenAI's logit_bias floor: "should result in a ban"
 
 
-def _constrain(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _constrain(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray | None]) -> torch.Tensor:
     """Apply logit_bias and grammar masks, row by row; rows with neither are left as they are."""
     logits = logits.clone()
-    for i, r in enumerate(rows):
+    for i, (r, mask) in enumerate(zip(rows, allowed)):
         if r.params.logit_bias:
             ids = torch.tensor([t for t, _ in r.params.logit_bias])
             bias = torch.tensor([float("-inf") if b <= BANNED else b for _, b in r.params.logit_bias])
             logits[i, ids] += bias
-        if r.allowed is not None:
-            logits[i].masked_fill_(torch.from_numpy(~r.allowed.result()), float("-inf"))
+        if mask is not None:
+            logits[i].masked_fill_(torch.from_numpy(~mask), float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sampled]:
-    """logits [m, V] float32, one row per request that samples -> one token each."""
+def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray | None] | None = None) -> list[Sampled]:
+    """logits [m, V] float32, one row per request that samples -> one token each. allowed[i], if given, is
+    row i's grammar mask: bool [V], the tokens its constraint allows next."""
     raw = logits
-    if any(r.allowed is not None or r.params.logit_bias for r in rows):
-        logits = _constrain(logits, rows)
+    allowed = allowed or [None] * len(rows)
+    if any(mask is not None or r.params.logit_bias for r, mask in zip(rows, allowed)):
+        logits = _constrain(logits, rows, allowed)
     if any(r.params.penalized for r in rows):
         logits = _penalize(logits, rows)
     # numpy's argmax, not torch's: torch's CPU argmax over a vocabulary-wide row is an order of magnitude slower

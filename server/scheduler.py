@@ -20,7 +20,7 @@ from kvcache import PoolExhausted, Sizing
 from .errors import Overloaded, StepFailed
 from .kv_pool import KVPool
 from .sampling import Sampled
-from .sequence import Request
+from .sequence import Sequence
 from .session import Session, SessionStore
 
 
@@ -29,13 +29,13 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, pool: KVPool, sessions: SessionStore, eos_ids: frozenset[int]) -> None:
         self.config, self.pool, self.sessions, self.eos_ids = config, pool, sessions, eos_ids
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.by_id: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}
         self.preemptions = 0
         self.evictions = 0
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of those found in the KV
-        self._retired: list[Request] = []
+        self._retired: list[Sequence] = []
 
     def check_room(self, n: int = 1) -> None:
         if len(self.waiting) + n > self.config.max_queued:
@@ -44,7 +44,7 @@ class Scheduler:
                 retry_after_s=self.config.retry_after_s,
             )
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Sequence) -> None:
         self.check_room()
         req.session.busy = req
         self.waiting.append(req)
@@ -82,9 +82,10 @@ class Scheduler:
             n, planned = admitted
             chunks.append(self._chunk(req, n))
             tokens_left -= n
-        return StepBatch(tuple(chunks))
+        rows = tuple(self.by_id[c.request_id].sample_row() for c in chunks if c.sample)
+        return StepBatch(tuple(chunks), rows)
 
-    def _admit(self, req: Request, tokens_left: int, planned: int, protect: set[str]) -> tuple[int, int] | None:
+    def _admit(self, req: Sequence, tokens_left: int, planned: int, protect: set[str]) -> tuple[int, int] | None:
         """Install the request's cache (reusing what the pool holds) and plan its first chunk -> (tokens, planned)."""
         session = req.session
         created = session.cache is None
@@ -111,7 +112,7 @@ class Scheduler:
             self.prefix_hits += req.cached_tokens
         return n, planned
 
-    def _chunk(self, req: Request, n: int) -> Chunk:
+    def _chunk(self, req: Sequence, n: int) -> Chunk:
         s = req.session
         pending = s.pending
         return Chunk(req.id, s.id, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens)
@@ -126,7 +127,7 @@ class Scheduler:
             self.evictions += 1
         return True
 
-    def _make_room(self, req: Request, need: int, planned: int, protect: set[str], preempt: bool = True):
+    def _make_room(self, req: Sequence, need: int, planned: int, protect: set[str], preempt: bool = True):
         """Evict idle sessions, then (if allowed) preempt younger requests, until `need` more blocks are free."""
         while not self.evict_idle(need, planned, keep=req.session):
             victims = [r for r in self.running if r is not req and r.id not in protect and r.session.cache is not None]
@@ -135,7 +136,7 @@ class Scheduler:
             self._preempt(victims[-1])
         return True, planned + need
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Sequence) -> None:
         """Recompute preemption: drop the KV, keep the history, requeue at the front."""
         self.running.remove(req)
         self.pool.drop(req.session)
@@ -147,7 +148,7 @@ class Scheduler:
             req.finish("cancelled")
             self.retire(req)
 
-    def retire(self, req: Request) -> None:
+    def retire(self, req: Sequence) -> None:
         """Take a finished request out and release (or remove) its session."""
         if req in self.running:
             self.running.remove(req)
@@ -192,7 +193,7 @@ class Scheduler:
             req.finish("error", StepFailed(f"the model step failed: {type(error).__name__}: {error}"))
             self.retire(req)
 
-    def take_retired(self) -> list[Request]:
+    def take_retired(self) -> list[Sequence]:
         """Requests retired since the last call (for metrics)."""
         done, self._retired = self._retired, []
         return done
@@ -212,7 +213,7 @@ class Scheduler:
         return counts
 
 
-def _prefilled(parent: Request) -> bool:
+def _prefilled(parent: Sequence) -> bool:
     """Whether a parent's prompt (all but its last token) is in its cache, or the parent has gone."""
     s = parent.session
     return parent.finished is not None or (parent.admitted_at is not None and s.cached_length >= len(parent.prompt_ids) - 1)

@@ -1,11 +1,11 @@
-"""One generation request: its session, sampling state, streamed text and finish condition."""
+"""A Sequence: one generation request as it flows through scheduler, step batch and runner, with its
+session, sampling state, streamed text and finish condition."""
 from __future__ import annotations
 
 import asyncio
 import secrets
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import torch
@@ -39,10 +39,11 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     error: Exception | None = None
+    last: TokenEvent | None = None  # the token that ended the request, if one did: it comes with the end
 
 
 @dataclass(eq=False)
-class Request:
+class Sequence:
     """State of one request from submission to its Finished event."""
 
     session: Session
@@ -51,7 +52,7 @@ class Request:
     prompt_tokens: int  # tokens of this request's prompt
     cached_tokens: int = 0  # of which were not prefilled (session KV or cached prefix), known once admitted
     id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
-    parent: Request | None = None  # for the other choices of an n > 1 request: the one that prefills the prompt
+    parent: Sequence | None = None  # for the other choices of an n > 1 request: the one that prefills the prompt
     constraint: Constraint | None = None  # the grammar its output must match, if any
     history_before: list[int] = field(default_factory=list)  # the session's history before this request
     kept: int = 0  # how much of history_before the request kept
@@ -81,10 +82,8 @@ class Request:
         prompt_start = len(self.prompt_ids) - self.prompt_tokens  # where this request's prompt begins in the history
         self.cached_tokens = max(0, cached_length - prompt_start)
 
-    def sample_row(self, masks: Executor) -> SampleRow:
-        """What the sampler needs; a constrained request's allowed tokens are computed on `masks` meanwhile."""
-        allowed = masks.submit(self.constraint.allowed) if self.constraint is not None else None
-        return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids, allowed)
+    def sample_row(self) -> SampleRow:
+        return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids, self.constraint)
 
     @property
     def wants_tokens(self) -> bool:
@@ -103,22 +102,24 @@ class Request:
         stop_token = s.token in self.params.stop_token_ids
         delta = "" if is_eos or stop_token else self.stops.feed(self.detok.push(s.token))
         self.text += delta
-        self._emit(TokenEvent(s.token, delta, s.logprob, s.top))
+        event = TokenEvent(s.token, delta, s.logprob, s.top)
         if is_eos or (self.constraint is not None and self.constraint.done):
-            self.finish("eos")  # the reply ended by itself (or its grammar did)
+            self.finish("eos", last=event)  # the reply ended by itself (or its grammar did)
         elif stop_token or self.stops.stopped:
-            self.finish("stop")  # one of the request's own stops
+            self.finish("stop", last=event)  # one of the request's own stops
         elif not self.wants_tokens or len(self.session.tokens) >= self.session.capacity:
-            self.finish("length")
+            self.finish("length", last=event)
+        else:
+            self._emit(event)
 
-    def finish(self, reason: str, error: Exception | None = None) -> None:
+    def finish(self, reason: str, error: Exception | None = None, last: TokenEvent | None = None) -> None:
         if self.finished is not None:
             return
         tail = ""
         if not self.stops.stopped:
             tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
         self.text += tail
-        self.finished = Finished(reason, tail, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error)
+        self.finished = Finished(reason, tail, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last)
         self._emit(self.finished)
 
     def _emit(self, event: TokenEvent | Finished) -> None:

@@ -22,7 +22,7 @@ class Session:
     owner: str | None = None
     tokens: list[int] = field(default_factory=list)
     cache: SessionCache | None = None  # None: evicted or never run; rebuilt by prefill
-    busy: object | None = None  # the Request running on it, if any
+    busy: object | None = None  # the Sequence running on it, if any
     last_used: float = field(default_factory=time.monotonic)
 
     @property

@@ -177,8 +177,8 @@ class FailingRunner:
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
-    def run(self, batch, rows):
-        out = self.runner.run(batch, rows)
+    def run(self, batch):
+        out = self.runner.run(batch)
         marked = {c.session_id for c in batch.chunks} & self.fail
         if marked or "*" in self.fail:
             self.fail.clear()

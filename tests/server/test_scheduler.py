@@ -10,7 +10,7 @@ from server.errors import Overloaded
 from server.kv_pool import KVPool
 from server.sampling import Sampled, SamplingParams
 from server.scheduler import Scheduler
-from server.sequence import Finished, Request
+from server.sequence import Finished, Sequence
 from server.session import SessionStore
 
 LAYOUT = CacheConfig(n_layers=2, n_kv_heads=1, head_dim=4, capacity=1)  # 64 bytes per token
@@ -36,7 +36,7 @@ def make(budget_tokens=10_000, **kw):
 def submit(sched, sessions, tokenizer, prompt_len, max_tokens=4, session=None, capacity=64, sizing=Sizing.DYNAMIC):
     s = session or sessions.create(capacity, sizing, persistent=session is not None, owner=None)
     s.tokens.extend(range(1, prompt_len + 1))
-    req = Request(s, SamplingParams(max_tokens=max_tokens, temperature=0.0), tokenizer, prompt_len, prompt_ids=list(s.tokens))
+    req = Sequence(s, SamplingParams(max_tokens=max_tokens, temperature=0.0), tokenizer, prompt_len, prompt_ids=list(s.tokens))
     sched.add(req)
     return req
 

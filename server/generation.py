@@ -12,7 +12,7 @@ from fastapi import Request as HttpRequest
 from .engine import Engine
 from .errors import ApiError, InvalidRequest, NotFound
 from .sampling import SamplingParams
-from .sequence import Finished, Request, TokenEvent
+from .sequence import Finished, Sequence, TokenEvent
 
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there
@@ -45,7 +45,7 @@ def start(
     resend: bool,
     max_tokens_given: bool,
     n: int = 1,
-) -> list[Request]:
+) -> list[Sequence]:
     """Submit to the engine, on the named session or on a temporary one removed when done; n > 1 runs
     n choices, each on a temporary session, the prompt prefilled once and forked."""
     engine = engine_of(http)
@@ -69,7 +69,7 @@ def start(
         raise
 
 
-async def events(http: HttpRequest, req: Request, watch_disconnect: bool) -> AsyncIterator[TokenEvent | Finished]:
+async def events(http: HttpRequest, req: Sequence, watch_disconnect: bool) -> AsyncIterator[TokenEvent | Finished]:
     """Yield the request's events until it finishes; a client that goes away cancels it."""
     engine = engine_of(http)
     getter: asyncio.Task | None = None
@@ -103,22 +103,22 @@ async def events(http: HttpRequest, req: Request, watch_disconnect: bool) -> Asy
         engine.cancel(req)
 
 
-async def collect(http: HttpRequest, req: Request) -> tuple[list[TokenEvent], Finished]:
+async def collect(http: HttpRequest, req: Sequence) -> tuple[list[TokenEvent], Finished]:
     """Run a non-streaming request to its end (cancelling it if the client disconnects)."""
     tokens: list[TokenEvent] = []
     async for event in events(http, req, watch_disconnect=True):
         if isinstance(event, Finished):
             raise_if_failed(event)
-            return tokens, event
+            return tokens + ([event.last] if event.last is not None else []), event
         tokens.append(event)
     raise asyncio.CancelledError("client disconnected")
 
 
-async def merged(http: HttpRequest, reqs: list[Request]) -> AsyncIterator[tuple[int, TokenEvent | Finished]]:
+async def merged(http: HttpRequest, reqs: list[Sequence]) -> AsyncIterator[tuple[int, TokenEvent | Finished]]:
     """The events of several requests (the choices of one), as (choice index, event), until all finish."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, req: Request) -> None:
+    async def pump(i: int, req: Sequence) -> None:
         async for event in events(http, req, watch_disconnect=False):
             queue.put_nowait((i, event))
 

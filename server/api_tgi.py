@@ -5,12 +5,12 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from . import flow
+from . import generation
 from .constraints import Grammars
 from .errors import InvalidRequest
 from .sampling import SamplingParams
 from .schemas import ERROR_RESPONSES, GenerateParameters, GenerateRequest
-from .sequence import Finished, Request, TokenEvent
+from .sequence import Finished, Sequence, TokenEvent
 
 router = APIRouter(tags=["tgi"], responses=ERROR_RESPONSES)
 
@@ -48,17 +48,17 @@ def tgi_params(p: GenerateParameters, default_max: int, grammar: str | None = No
     )
 
 
-def _start(http: HttpRequest, body: GenerateRequest) -> Request:
-    engine = flow.engine_of(http)
+def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
+    engine = generation.engine_of(http)
     if len(body.parameters.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="parameters.stop")
     params = tgi_params(body.parameters, engine.config.default_max_tokens, tgi_grammar(engine.grammars, body.parameters))
     prompt = engine.tokenizer.encode(body.inputs)
     if body.parameters.truncate is not None:
         prompt = prompt[-body.parameters.truncate :]
-    return flow.start(
+    return generation.start(
         http,
-        flow.session_id_of(http, body.session_id),
+        generation.session_id_of(http, body.session_id),
         prompt,
         params,
         resend=False,
@@ -71,7 +71,7 @@ def _token(tokenizer, e: TokenEvent) -> dict:
             "special": e.token in tokenizer.eos_ids}
 
 
-def _details(req: Request, f: Finished) -> dict:
+def _details(req: Sequence, f: Finished) -> dict:
     # cached_tokens (an extension): prompt tokens whose KV was reused rather than prefilled
     return {"finish_reason": TGI_REASONS[f.reason], "generated_tokens": f.completion_tokens, "seed": req.params.seed,
             "cached_tokens": f.cached_tokens}
@@ -80,11 +80,11 @@ def _details(req: Request, f: Finished) -> dict:
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HttpRequest) -> dict:
     req = _start(http, body)
-    tokens, finished = await flow.collect(http, req)
+    tokens, finished = await generation.collect(http, req)
     text = (body.inputs if body.parameters.return_full_text else "") + req.text
     out: dict = {"generated_text": text}
     if body.parameters.details:
-        tok = flow.engine_of(http).tokenizer
+        tok = generation.engine_of(http).tokenizer
         out["details"] = {**_details(req, finished), "prefill": [], "tokens": [_token(tok, e) for e in tokens]}
     return out
 
@@ -92,28 +92,26 @@ async def generate(body: GenerateRequest, http: HttpRequest) -> dict:
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, http: HttpRequest) -> StreamingResponse:
     req = _start(http, body)
-    tok = flow.engine_of(http).tokenizer
+    tok = generation.engine_of(http).tokenizer
 
     async def stream():
-        index, held = 0, None
-        async for event in flow.events(http, req, watch_disconnect=False):
+        index = 0
+        async for event in generation.events(http, req, watch_disconnect=False):
             if isinstance(event, TokenEvent):
                 index += 1
-                if req.finished is not None and req.events.qsize() == 1:
-                    held = event  # the last token: the final event, next, carries it
-                else:
-                    yield flow.sse({"index": index, "token": _token(tok, event), "generated_text": None, "details": None})
+                yield generation.sse({"index": index, "token": _token(tok, event), "generated_text": None, "details": None})
                 continue
             if event.error is not None:
-                yield flow.sse_error(event.error)
+                yield generation.sse_error(event.error)
                 return
-            # a finish without a token of its own (e.g. cancelled) ends with an empty special token
-            last = held or TokenEvent(token=-1, text="")
-            final = {**_token(tok, TokenEvent(last.token, last.text + event.text, last.logprob)), "special": held is None}
+            # the end carries the token that ended it; one without (e.g. cancelled) ends with an empty special token
+            index += event.last is not None
+            last = event.last or TokenEvent(token=-1, text="")
+            final = {**_token(tok, TokenEvent(last.token, last.text + event.text, last.logprob)), "special": event.last is None}
             text = (body.inputs if body.parameters.return_full_text else "") + req.text
-            yield flow.sse({"index": index, "token": final, "generated_text": text, "details": _details(req, event)})
+            yield generation.sse({"index": index, "token": final, "generated_text": text, "details": _details(req, event)})
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=flow.SSE_HEADERS)
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=generation.SSE_HEADERS)
 
 
 @router.post("/", include_in_schema=False)

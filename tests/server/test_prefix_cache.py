@@ -153,14 +153,15 @@ def test_n_choices_fork_the_prompt_and_reproduce_with_a_seed(smollm_server):
 
 
 @pytest.fixture(scope="module")
-def tight_server(smollm):
-    """A KV budget of 24 blocks (384 tokens): eight 100-token requests do not fit at once."""
-    block_bytes = 16 * 30 * 3 * 64 * 2 * 2  # tokens x layers x KV heads x head dim x (K, V) x float16
-    with LiveServer(smollm, EngineConfig(kv_budget=24 * block_bytes)) as server:
+def tight_server(fast_server):
+    """The served model with a KV budget of 24 blocks (384 tokens): eight 100-token requests do not fit at once."""
+    block_bytes = fast_server.engine.pool.blocks.block_bytes
+    with LiveServer(fast_server.engine.model, EngineConfig(kv_budget=24 * block_bytes)) as server:
+        assert server.engine.pool.blocks.n_blocks == 24
         yield server
 
 
-def test_eviction_under_a_small_budget_gives_the_tokens_of_a_large_one(tight_server, smollm_server):
+def test_eviction_under_a_small_budget_gives_the_tokens_of_a_large_one(tight_server, fast_server):
     prompts = [unique_text(70) for _ in range(8)]
 
     async def run(url):
@@ -169,7 +170,7 @@ def test_eviction_under_a_small_budget_gives_the_tokens_of_a_large_one(tight_ser
                 "model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}) for p in prompts))
             return [r.json()["choices"][0]["text"] for r in rs]
 
-    want = [greedy(smollm_server.url, p, 24)["choices"][0]["text"] for p in prompts]
+    want = [greedy(fast_server.url, p, 24)["choices"][0]["text"] for p in prompts]
     assert asyncio.run(run(tight_server.url)) == want
     assert metric(tight_server.url, "kvserve:num_preemptions_total") > 0
     tight_server.engine.pool.blocks.check()

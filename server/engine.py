@@ -14,15 +14,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-
 from kvcache import REGISTRY, CacheConfig, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
 from .config import EngineConfig
 from .constraints import Grammars
 from .errors import InvalidRequest, Overloaded, ShuttingDown
-from .kv_pool import KVPool
+from .kv_pool import KVPool, kv_dtype
 from .metrics import Metrics, RecentSteps
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
@@ -41,7 +39,7 @@ class Engine:
                  worker: ThreadPoolExecutor | None = None) -> None:
         c = model.config
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
-        layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=kv_dtype(config, model))
+        layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=kv_dtype(config.kv_dtype, model))
         self.pool = KVPool(registry, config.kv_budget, layout)
         self.sessions = SessionStore(config.max_sessions)
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
@@ -187,7 +185,7 @@ class Engine:
             raise InvalidRequest(f"prompt of {len(new)} tokens exceeds the limit of {self.config.max_prompt_tokens}", param="prompt")
         room = session.capacity - total
         if not max_tokens_given:
-            params = _with_max_tokens(params, min(params.max_tokens, max(room, 1)))
+            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, max(room, 1)))
         if total + params.max_tokens > session.capacity:
             raise InvalidRequest(
                 f"prompt of {total} tokens plus max_tokens {params.max_tokens} exceeds the session capacity of "
@@ -291,49 +289,17 @@ class Engine:
                 pass
 
     def _observe_finished(self) -> None:
-        m = self.metrics
-        for req in self.scheduler.take_retired():
-            f = req.finished
-            m.finished(f.reason)
-            now = time.monotonic()
-            m.e2e.observe(now - req.arrival)
-            if req.admitted_at is not None:
-                m.queue.observe(req.admitted_at - req.arrival)
-            if req.first_token_at is not None:
-                m.ttft.observe(req.first_token_at - req.arrival)
-                if f.completion_tokens > 1:
-                    m.tpot.observe((req.last_token_at - req.first_token_at) / (f.completion_tokens - 1))
-        m.preemptions.inc(self.scheduler.take_preemptions())
-        m.evictions.inc(self.scheduler.take_evictions())
-        queries, hits = self.scheduler.take_prefix_counts()
-        m.prefix_queries.inc(queries)
-        m.prefix_hits.inc(hits)
-        m.prefix_totals[0] += queries
-        m.prefix_totals[1] += hits
-        m.prompt_tokens.inc(queries - hits)
-        m.sessions.set(len(self.sessions))
+        s = self.scheduler
+        self.metrics.observe(s.take_retired(), s.take_preemptions(), s.take_evictions(), *s.take_prefix_counts())
+        self.metrics.sessions.set(len(self.sessions))
 
     def _update_gauges(self) -> None:
-        used = self.pool.used()
-        self.metrics.kv_bytes.set(used)
-        self.metrics.kv_usage.set(used / self.pool.budget)
-        self.metrics.kv_cached_bytes.set(self.pool.blocks.n_cached() * self.pool.blocks.block_bytes)
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting))
-
-
-def kv_dtype(config: EngineConfig, model: LoadedModel) -> torch.dtype:
-    """float16 KV beside approximate weights halves KV memory and the bytes attention reads; the exact
-    f32 mode keeps the model's dtype, so its outputs stay those of the reference."""
-    if config.kv_dtype == "auto":
-        return torch.float16 if model.weights != "f32" else model.dtype
-    return getattr(torch, config.kv_dtype)
+        blocks = self.pool.blocks
+        self.metrics.gauges(self.pool.used(), self.pool.budget, blocks.n_cached() * blocks.block_bytes,
+                            len(self.scheduler.running), len(self.scheduler.waiting))
 
 
 def _put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
 
-
-def _with_max_tokens(params: SamplingParams, n: int) -> SamplingParams:
-    return dataclasses.replace(params, max_tokens=n)

@@ -1,10 +1,21 @@
 """The engine's KV memory: one block pool under the KV budget, and the session caches it holds."""
 from __future__ import annotations
 
+import torch
+
 from kvcache import BlockPool, CacheConfig, CacheRegistry, SessionCache
 from kvcache.session_cache import blocks_for
+from models.export import LoadedModel
 
 from .session import Session, common_prefix
+
+
+def kv_dtype(choice: str, model: LoadedModel) -> torch.dtype:
+    """float16 KV beside approximate weights halves KV memory and the bytes attention reads; the exact
+    f32 mode keeps the model's dtype, so its outputs stay those of the reference."""
+    if choice == "auto":
+        return torch.float16 if model.weights != "f32" else model.dtype
+    return getattr(torch, choice)
 
 
 class KVPool:

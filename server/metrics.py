@@ -46,8 +46,33 @@ class Metrics:
         self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
 
-    def finished(self, reason: str) -> None:
-        self._finished.labels(self.model_name, reason).inc()
+    def observe(self, retired, preemptions: int, evictions: int, prefix_queries: int, prefix_hits: int) -> None:
+        """What the steps since the last call finished and counted."""
+        now = time.monotonic()
+        for req in retired:
+            f = req.finished
+            self._finished.labels(self.model_name, f.reason).inc()
+            self.e2e.observe(now - req.arrival)
+            if req.admitted_at is not None:
+                self.queue.observe(req.admitted_at - req.arrival)
+            if req.first_token_at is not None:
+                self.ttft.observe(req.first_token_at - req.arrival)
+                if f.completion_tokens > 1:
+                    self.tpot.observe((req.last_token_at - req.first_token_at) / (f.completion_tokens - 1))
+        self.preemptions.inc(preemptions)
+        self.evictions.inc(evictions)
+        self.prefix_queries.inc(prefix_queries)
+        self.prefix_hits.inc(prefix_hits)
+        self.prefix_totals[0] += prefix_queries
+        self.prefix_totals[1] += prefix_hits
+        self.prompt_tokens.inc(prefix_queries - prefix_hits)
+
+    def gauges(self, kv_used: int, kv_budget: int, kv_cached: int, running: int, waiting: int) -> None:
+        self.kv_bytes.set(kv_used)
+        self.kv_usage.set(kv_used / kv_budget)
+        self.kv_cached_bytes.set(kv_cached)
+        self.running.set(running)
+        self.waiting.set(waiting)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,7 @@ import torch
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
 from server.config import EngineConfig
-from server.engine import kv_dtype
+from server.kv_pool import kv_dtype
 
 PROMPTS = [
     "The capital of France is",
@@ -31,7 +31,7 @@ def greedy_batch(model, prompts, n_tokens):
     """Greedy continuations of all prompts, decoded together in one step per token, with the KV dtype
     the server gives this model (float16 beside approximate weights)."""
     c, tok = model.config, model.tokenizer
-    dtype = kv_dtype(EngineConfig(), model)
+    dtype = kv_dtype(EngineConfig().kv_dtype, model)
     keys = [f"fidelity-{model.weights}-{i}" for i in range(len(prompts))]
     ids = [tok.encode(p) for p in prompts]
     last = []
@@ -56,7 +56,7 @@ def perplexity(model, text):
     c = model.config
     ids = model.tokenizer.encode(text)
     key = f"ppl-{model.weights}"
-    dtype = kv_dtype(EngineConfig(), model)
+    dtype = kv_dtype(EngineConfig().kv_dtype, model)
     REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, len(ids), dtype=dtype)))
     REGISTRY.set_active(key)
     with torch.inference_mode():

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import operator
 import shutil
 import tempfile
-import warnings
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
+from safetensors.torch import load_file, save_file
 from torch.export import Dim
 
 from .config import ModelConfig
@@ -21,9 +24,15 @@ from .llama import Transformer
 from .quant import WEIGHT_MODES, convert_linears, model_kernels_available
 from .tokenizer import TextTokenizer
 
-ARTIFACT_FORMAT = 2
-PROGRAM_FILE = "model.pt2"
-MODULE_FILE = "program.fx.pt"  # the same program, unlifted and pickled: torch.export.load is far slower to deserialize
+ARTIFACT_FORMAT = 3
+# The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
+# Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
+# far longer than the forward it describes; fx's source is readable, and runs as it was exported.
+PROGRAM_FILE = "program.py"
+WEIGHTS_FILE = "weights.safetensors"
+# What fx's generated source may name besides `self`: the globals of Graph.python_code.
+PROGRAM_GLOBALS = {"inf": math.inf, "nan": math.nan, "NoneType": type(None), "torch": torch, "device": torch.device,
+                   "fx_pytree": torch.fx._pytree, "pytree": pytree}
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,6 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
     """
     module = program.module()
     graph = copy.deepcopy(module.graph)
-    graph._tracer_cls, graph._tracer_extras = None, {}  # re-traced on unpickling by a plain fx tracer
     # Weights as flat attributes of one module: `self.layers_3_mlp_down_proj_packed` costs one
     # attribute lookup a use where the nested path costs four (~850 uses a step).
     root = torch.nn.Module()
@@ -125,15 +133,41 @@ def save_artifact(
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    torch.export.save(program, str(tmp / PROGRAM_FILE))
-    torch.save(runnable_module(program), tmp / MODULE_FILE)
+    module = runnable_module(program)
+    assert set(module.graph.python_code("self").globals) <= set(PROGRAM_GLOBALS), "the program names a global load cannot give it"
+    (tmp / PROGRAM_FILE).write_text(module.code)
+    # Each tensor once: a tied weight (the lm_head reading the embeddings) is stored once, and named again.
+    tensors, aliases, seen = {}, {}, {}
+    for attr, tensor in module.state_dict(keep_vars=True).items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:
+            aliases[attr] = seen[key]
+        else:
+            seen[key], tensors[attr] = attr, tensor.detach().contiguous()
+    save_file(tensors, str(tmp / WEIGHTS_FILE))
     (tmp / "config.json").write_text(config.to_json())
     tokenizer.save(tmp)
-    meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights}
+    # the source flattens its inputs and builds its output through these two pytree specs
+    specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
+    meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
+            "aliases": aliases, **specs}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
+
+
+def _program(folder: Path, meta: dict) -> torch.nn.Module:
+    """The saved program: fx's source, run as the forward of a module that holds the saved weights."""
+    root = torch.nn.Module()
+    tensors = load_file(str(folder / WEIGHTS_FILE))
+    for attr, tensor in [*tensors.items(), *((a, tensors[c]) for a, c in meta["aliases"].items())]:
+        root.register_buffer(attr, tensor)
+    root._in_spec, root._out_spec = pytree.treespec_loads(meta["in_spec"]), pytree.treespec_loads(meta["out_spec"])
+    namespace = dict(PROGRAM_GLOBALS)
+    exec(compile((folder / PROGRAM_FILE).read_text(), str(folder / PROGRAM_FILE), "exec"), namespace)  # noqa: S102
+    root.forward = types.MethodType(namespace["forward"], root)
+    return root
 
 
 def is_artifact(folder: Path) -> bool:
@@ -149,12 +183,7 @@ def load_artifact(folder: Path) -> LoadedModel:
     kernels = meta.get("weights", "f32") != "f32" and model_kernels_available()
     if meta.get("weights") == "q4" and not kernels:
         raise ModelLoadError(f"{folder}: a {meta['weights']} artifact needs the C++/AVX2 kernels, which are unavailable here")
-    if (folder / MODULE_FILE).is_file():
-        with warnings.catch_warnings():  # torch warns about pickled TreeSpecs; the file is our own cache
-            warnings.simplefilter("ignore", FutureWarning)
-            forward = torch.load(folder / MODULE_FILE, weights_only=False)
-    else:
-        forward = runnable_module(torch.export.load(str(folder / PROGRAM_FILE)))
+    forward = _program(folder, meta)
     config = ModelConfig.from_json((folder / "config.json").read_text())
     return LoadedModel(
         config=config,

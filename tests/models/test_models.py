@@ -150,7 +150,7 @@ def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):
     done = subprocess.run([sys.executable, "-m", "server.cli", "export", "--model", str(folder), "--weights", "f32", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    assert {"model.pt2", "config.json", "tokenizer.json", "tokenizer_meta.json", "kvserve.json"} <= {p.name for p in out.iterdir()}
+    assert {p.name for p in out.iterdir()} == {"program.py", "weights.safetensors", "config.json", "tokenizer.json", "tokenizer_meta.json", "kvserve.json"}
     model = load_model(str(folder), use_cache=False)
     ids = model.tokenizer.encode(PROMPT)
     with Session(model.config), torch.no_grad():

@@ -14,7 +14,7 @@ STAMP_RUN := $(VENV)/.installed
 STAMP_TEST := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
 
-.PHONY: test serve install loadtest bench clean system-deps
+.PHONY: test test-fast serve install loadtest bench clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -44,6 +44,10 @@ system-deps:
 
 test: $(STAMP_TEST) system-deps
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# the same suite without the long drills (marked slow), for a quick loop while working
+test-fast: $(STAMP_TEST) system-deps
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 serve: $(STAMP_RUN)
 	$(BIN)/kvserve fetch --model $(MODEL)

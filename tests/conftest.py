@@ -65,12 +65,18 @@ def tiny_checkpoints(tmp_path_factory, smollm):
 
 
 @pytest.fixture(scope="session")
-def fast_server(smollm_path):
-    """A server on the weights `kvserve serve` picks by default (q4 where the kernels build)."""
+def served_model(smollm_path):
+    """SmolLM2 on the weights `kvserve serve` picks by default (q4 where the kernels build)."""
     from models.catalog import DEFAULT_WEIGHTS
     from models.loader import resolve_weights
 
-    with LiveServer(load_model(DEFAULT_MODEL, weights=resolve_weights(DEFAULT_WEIGHTS))) as server:
+    return load_model(DEFAULT_MODEL, weights=resolve_weights(DEFAULT_WEIGHTS))
+
+
+@pytest.fixture(scope="session")
+def fast_server(served_model):
+    """One shared server on the served model, for tests that only read from it or clean up after them."""
+    with LiveServer(served_model) as server:
         yield server
 
 

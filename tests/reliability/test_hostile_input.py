@@ -79,6 +79,7 @@ def test_body_limit_busy_session_and_unknown_session(tiny_server):
     assert httpx.get(url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_errors(tiny_server, tmp_path):
     cmd = [sys.executable, "-m", "schemathesis.cli", "run", tiny_server.url + "/openapi.json",
            "--checks", "not_a_server_error,response_schema_conformance", "--max-examples", "10",

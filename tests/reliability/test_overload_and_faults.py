@@ -5,9 +5,11 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from kvcache import REGISTRY
 from server.config import EngineConfig
+from server.kv_pool import kv_dtype
 
 from ..live_server import LiveServer, free_port, metric, start_cli_server, wait_healthy
 
@@ -49,9 +51,9 @@ class HealthWatch:
         self.thread.join()
 
 
-def test_overload_gets_429_never_5xx_and_health_stays_fast(smollm):
+def test_overload_gets_429_never_5xx_and_health_stays_fast(served_model):
     config = EngineConfig(max_running=8, max_queued=16)
-    with LiveServer(smollm, config) as server, HealthWatch(server.url) as health:
+    with LiveServer(served_model, config) as server, HealthWatch(server.url) as health:
         async def one(ac, i):
             r = await ac.post(server.url + "/generate", json=gen_body(f"Request number {i} says", 4))
             return r.status_code, r.headers.get("retry-after")
@@ -72,9 +74,9 @@ def test_overload_gets_429_never_5xx_and_health_stays_fast(smollm):
     assert not health.failures and health.worst < 1.5, (health.worst, health.failures[:3])
 
 
-def test_disconnect_storm_frees_everything(smollm):
+def test_disconnect_storm_frees_everything(served_model):
     config = EngineConfig(max_running=32, max_queued=400)
-    with LiveServer(smollm, config) as server:
+    with LiveServer(served_model, config) as server:
         keep = httpx.post(server.url + "/v1/sessions", json={}).json()["id"]
         httpx.post(server.url + "/generate", json={**gen_body("Keep me", 2), "session_id": keep})
         baseline = metric(server.url, "kvserve:kv_cache_usage_bytes")
@@ -110,8 +112,8 @@ def test_disconnect_storm_frees_everything(smollm):
         assert metric(server.url, "kvserve:num_requests_running") == 0
 
 
-def test_capacity_ends_with_length_while_others_stream(smollm):
-    with LiveServer(smollm) as server:
+def test_capacity_ends_with_length_while_others_stream(served_model):
+    with LiveServer(served_model) as server:
         url = server.url
         small = httpx.post(url + "/v1/sessions", json={"capacity": 40, "sizing": "static"}).json()["id"]
         solo = tokens_of(httpx.post(url + "/generate", json=gen_body("The history of Rome", 30), timeout=120))
@@ -141,9 +143,9 @@ def test_capacity_ends_with_length_while_others_stream(smollm):
         assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
 
 
-def test_eviction_keeps_outputs_identical(smollm):
+def test_eviction_keeps_outputs_identical(served_model):
     capacity = 128
-    per_token = 30 * 3 * 64 * 2 * 4
+    per_token = 30 * 3 * 64 * 2 * kv_dtype("auto", served_model).itemsize  # layers x KV heads x head dim x (K, V)
     tight = EngineConfig(kv_budget=2 * capacity * per_token, session_capacity=capacity, session_sizing="static")
 
     def conversation(server):
@@ -156,11 +158,11 @@ def test_eviction_keeps_outputs_identical(smollm):
                 outs[i].append(tokens_of(r))
         return outs, server.engine.metrics
 
-    with LiveServer(smollm, tight) as server:
+    with LiveServer(served_model, tight) as server:
         constrained, m = conversation(server)
         evictions = metric(server.url, "kvserve:num_session_evictions_total")
         assert metric(server.url, "kvserve:kv_cache_usage_bytes") <= tight.kv_budget
-    with LiveServer(smollm, EngineConfig(session_capacity=capacity, session_sizing="static")) as server:
+    with LiveServer(served_model, EngineConfig(session_capacity=capacity, session_sizing="static")) as server:
         free, _ = conversation(server)
     assert evictions >= 12
     assert constrained == free
@@ -186,8 +188,8 @@ class FailingRunner:
         return out
 
 
-def test_failed_step_fails_only_its_requests(smollm):
-    with LiveServer(smollm) as server:
+def test_failed_step_fails_only_its_requests(served_model):
+    with LiveServer(served_model) as server:
         url, runner = server.url, FailingRunner(server.engine.runner)
         server.engine.runner = runner
 
@@ -215,9 +217,10 @@ def test_failed_step_fails_only_its_requests(smollm):
         assert httpx.post(url + "/generate", json=gen_body("x", 2)).status_code == 200
 
 
-def test_sigterm_drains_streams_then_exits_zero(smollm):
+@pytest.mark.slow
+def test_sigterm_drains_streams_then_exits_zero(served_model):
     port = free_port()
-    proc = start_cli_server(["--shutdown-timeout", "60", "--weights", "f32"], port)
+    proc = start_cli_server(["--shutdown-timeout", "60"], port)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout=300, proc=proc)

@@ -30,9 +30,9 @@ def chain_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
-def prefix_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of each full block of `tokens`."""
-    out, h = [], b""
+def prefix_hashes(tokens: Sequence[int], block_size: int, previous: bytes = b"") -> list[bytes]:
+    """Chained hashes of each full block of `tokens`, continuing from the hash of the block before them."""
+    out, h = [], previous
     for start in range(0, len(tokens) - block_size + 1, block_size):
         h = chain_hash(h, tokens[start : start + block_size])
         out.append(h)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool, chain_hash, prefix_hashes
+from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool, prefix_hashes
 from .config import CacheConfig, Sizing
 from .errors import CacheError, CacheFull, PoolExhausted
 
@@ -165,11 +165,11 @@ class SessionCache:
 
     def publish(self, tokens: Sequence[int]) -> None:
         """Index the full blocks of the history, whose token ids are tokens[:length], for prefix reuse."""
-        b = self.pool.block_size
-        for i in range(len(self._hashes), self._length // b):
-            digest = chain_hash(self._hashes[-1] if self._hashes else b"", tokens[i * b : (i + 1) * b])
-            self.pool.publish(self.table[i], digest)
-            self._hashes.append(digest)
+        b, done = self.pool.block_size, len(self._hashes)
+        fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else b"")
+        for block, digest in zip(self.table[done:], fresh):
+            self.pool.publish(block, digest)
+        self._hashes += fresh
 
     def attach_prefix(self, tokens: Sequence[int]) -> int:
         """Start an empty cache from the longest cached prefix of `tokens` (whole blocks) -> tokens reused."""

@@ -18,7 +18,7 @@ from kvcache import REGISTRY, CacheConfig, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
 from .config import EngineConfig
-from .constraints import Grammars
+from .constraints import Constraint, Grammars
 from .errors import InvalidRequest, Overloaded, ShuttingDown
 from .kv_pool import KVPool, kv_dtype
 from .metrics import Metrics, RecentSteps
@@ -162,13 +162,19 @@ class Engine:
         longest common prefix of its history and prefills the rest. resend=False: `prompt` continues
         the session's history.
         """
+        constraint = self._constraint(params)
         with self.lock:
-            req = self._submit(session, prompt, params, resend, max_tokens_given)
+            req = self._submit(session, prompt, params, resend, max_tokens_given, constraint)
         self._wake.set()
         return req
 
+    def _constraint(self, params: SamplingParams) -> Constraint | None:
+        """The request's grammar matcher, compiled in the caller's thread before it takes the engine lock,
+        which the model thread would otherwise wait on."""
+        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
+
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-                max_tokens_given: bool) -> Sequence:
+                max_tokens_given: bool, constraint: Constraint | None) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -197,9 +203,7 @@ class Engine:
             raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
         req = Sequence(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
-                      history_before=list(session.tokens), kept=keep, sink=self._post)
-        if params.grammar is not None:
-            req.constraint = self.grammars.matcher(params.grammar)
+                      history_before=list(session.tokens), kept=keep, sink=self._post, constraint=constraint)
         session.truncate(keep)
         session.tokens.extend(new)
         if not session.pending and params.max_tokens > 0 and session.cache is not None:
@@ -216,10 +220,11 @@ class Engine:
         sessions = [self.create_session(self.model.config.max_context, "dynamic", owner, persistent=False) for _ in params]
         reqs: list[Sequence] = []
         try:
+            constraints = [self._constraint(p) for p in params]
             with self.lock:
                 self.scheduler.check_room(len(params))
-                for session, p in zip(sessions, params):
-                    req = self._submit(session, prompt, p, True, max_tokens_given)
+                for session, p, constraint in zip(sessions, params, constraints):
+                    req = self._submit(session, prompt, p, True, max_tokens_given, constraint)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
         except Exception:

@@ -15,8 +15,8 @@ import torch
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
 from models.quant import WEIGHT_MODES
-from server.config import KV_DTYPES, EngineConfig
-from server.engine import kv_dtype
+from server.config import KV_DTYPES
+from server.kv_pool import kv_dtype
 from server.model_thread import keep_step_buffers
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     keep_step_buffers()  # as the engine does
     model = load_model(args.model, args.dtype, weights=args.weights)
     c = model.config
-    kv = kv_dtype(EngineConfig(kv_dtype=args.kv_dtype), model)
+    kv = kv_dtype(args.kv_dtype, model)
     layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=kv)
     vocab = c.vocab_size
     results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "kv_dtype": str(kv).removeprefix("torch."), "threads": torch.get_num_threads(),

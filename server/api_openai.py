@@ -224,9 +224,9 @@ async def completions(body: CompletionRequest, http: HttpRequest):
         return StreamingResponse(_Stream(http, reqs, body, "completion", choice, body.logprobs is not None).__aiter__(),
                                  media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
-    choices = [{"text": echo + req.text,
+    choices = [{"text": echo + f.output,
                 "logprobs": _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None}
-               for req, (events, _) in zip(reqs, results)]
+               for events, f in results]
     return _response(http, "completion", [f for _, f in results], choices)
 
 
@@ -269,8 +269,8 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
                                  media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
     choices = []
-    for req, (events, _) in zip(reqs, results):
-        content, calls = tools.parse_tool_calls(req.text, names, forced is not None) if names else (req.text, [])
+    for events, f in results:
+        content, calls = tools.parse_tool_calls(f.output, names, forced is not None) if names else (f.output, [])
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         choices.append({"message": message, "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
                         **({"finish_reason": "tool_calls"} if calls else {})})

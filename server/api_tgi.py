@@ -81,7 +81,7 @@ def _details(req: Sequence, f: Finished) -> dict:
 async def generate(body: GenerateRequest, http: HttpRequest) -> dict:
     req = _start(http, body)
     tokens, finished = await generation.collect(http, req)
-    text = (body.inputs if body.parameters.return_full_text else "") + req.text
+    text = (body.inputs if body.parameters.return_full_text else "") + finished.output
     out: dict = {"generated_text": text}
     if body.parameters.details:
         tok = generation.engine_of(http).tokenizer
@@ -106,9 +106,9 @@ async def generate_stream(body: GenerateRequest, http: HttpRequest) -> Streaming
                 return
             # the end carries the token that ended it; one without (e.g. cancelled) ends with an empty special token
             index += event.last is not None
-            last = event.last or TokenEvent(token=-1, text="")
+            last = event.last or TokenEvent(token=-1)
             final = {**_token(tok, TokenEvent(last.token, last.text + event.text, last.logprob)), "special": event.last is None}
-            text = (body.inputs if body.parameters.return_full_text else "") + req.text
+            text = (body.inputs if body.parameters.return_full_text else "") + event.output
             yield generation.sse({"index": index, "token": final, "generated_text": text, "details": _details(req, event)})
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=generation.SSE_HEADERS)

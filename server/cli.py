@@ -89,6 +89,7 @@ def cmd_generate(args) -> int:
 
     from .engine import Engine
     from .model_thread import model_thread
+    from .output_stream import OutputStream
     from .sampling import SamplingParams
     from .sequence import Finished
 
@@ -105,14 +106,11 @@ def cmd_generate(args) -> int:
         engine.start()
         session = engine.create_session(None, None, None, persistent=False)
         req = engine.submit(session, prompt, params, resend=False)
-        while True:
-            event = await req.events.get()
-            if isinstance(event, Finished) and event.last is not None:
-                sys.stdout.write(event.last.text)
-            sys.stdout.write(event.text)
+        output = OutputStream(engine, req)
+        while not isinstance(event := output.render(await req.events.get()), Finished):
+            sys.stdout.write(event.text if event is not None else "")
             sys.stdout.flush()
-            if isinstance(event, Finished):
-                break
+        sys.stdout.write((event.last.text if event.last is not None else "") + event.text)
         sys.stdout.write("\n")
         await engine.stop()
         return 0 if event.error is None else 1

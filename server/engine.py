@@ -202,7 +202,7 @@ class Engine:
         if need > self.pool.budget:
             raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
-        req = Sequence(session, params, self.tokenizer, prompt_tokens=len(prompt) if resend else len(new),
+        req = Sequence(session, params, prompt_tokens=len(prompt) if resend else len(new),
                       history_before=list(session.tokens), kept=keep, sink=self._post, constraint=constraint)
         session.truncate(keep)
         session.tokens.extend(new)
@@ -240,6 +240,21 @@ class Engine:
         if req.finished is None:
             req.cancelled = True
             self._wake.set()
+
+    def cut(self, req: Sequence, kept: int) -> None:
+        """The request's output stream found a stop string in its first `kept` tokens: end it there.
+
+        The model thread may have sampled a token or two past it meanwhile, or even ended the request; the
+        session keeps only the history up to the stop either way."""
+        with self.lock:
+            if req.finished is None:
+                req.stop_at = kept  # cut at the next step, when no step is writing its KV
+                self._wake.set()
+                return
+            session = req.session
+            ended_itself = req.finished.reason in ("eos", "stop", "length")  # not failed (history restored)
+            if ended_itself and req.finished.completion_tokens > kept and session.busy is None and session.persistent:
+                session.truncate(len(req.prompt_ids) + kept)
 
     # ---- the step loop (model thread) ------------------------------------------------------
     def _step_loop(self) -> None:

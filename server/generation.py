@@ -11,6 +11,7 @@ from fastapi import Request as HttpRequest
 
 from .engine import Engine
 from .errors import ApiError, InvalidRequest, NotFound
+from .output_stream import OutputStream
 from .sampling import SamplingParams
 from .sequence import Finished, Sequence, TokenEvent
 
@@ -70,8 +71,9 @@ def start(
 
 
 async def events(http: HttpRequest, req: Sequence, watch_disconnect: bool) -> AsyncIterator[TokenEvent | Finished]:
-    """Yield the request's events until it finishes; a client that goes away cancels it."""
+    """Yield the request's events, as text, until it finishes; a client that goes away cancels it."""
     engine = engine_of(http)
+    output = OutputStream(engine, req)
     getter: asyncio.Task | None = None
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:
@@ -79,8 +81,9 @@ async def events(http: HttpRequest, req: Sequence, watch_disconnect: bool) -> As
         # directly: no task and asyncio.wait per token on the event loop, which competes with the
         # model thread for the GIL.
         while not watch_disconnect:
-            event = await req.events.get()
-            yield event
+            event = output.render(await req.events.get())
+            if event is not None:
+                yield event
             if isinstance(event, Finished):
                 return
         while True:
@@ -93,8 +96,9 @@ async def events(http: HttpRequest, req: Sequence, watch_disconnect: bool) -> As
                     return
             if not done:
                 continue
-            event, getter = getter.result(), None
-            yield event
+            event, getter = output.render(getter.result()), None
+            if event is not None:
+                yield event
             if isinstance(event, Finished):
                 return
     finally:

@@ -144,9 +144,17 @@ class Scheduler:
         self.preemptions += 1
 
     def _reap(self) -> None:
-        for req in [r for r in (*self.waiting, *self.running) if r.cancelled]:
-            req.finish("cancelled")
+        for req in [r for r in (*self.waiting, *self.running) if r.cancelled or r.stop_at is not None]:
+            self._end_early(req)
             self.retire(req)
+
+    @staticmethod
+    def _end_early(req: Sequence) -> None:
+        """End a request its client or its output stream ended: at its stop string, or as cancelled."""
+        if req.stop_at is not None:
+            req.cut()
+        else:
+            req.finish("cancelled")
 
     def retire(self, req: Sequence) -> None:
         """Take a finished request out and release (or remove) its session."""
@@ -173,8 +181,8 @@ class Scheduler:
                 continue
             assert req.session.cached_length == chunk.start + len(chunk.tokens)
             req.session.cache.publish(req.session.tokens)  # full blocks become reusable prefixes
-            if req.cancelled:
-                req.finish("cancelled")
+            if req.cancelled or req.stop_at is not None:
+                self._end_early(req)
             elif token is not None:
                 req.accept(token, self.eos_ids)
             elif not req.wants_tokens and not req.session.pending:

@@ -1,5 +1,6 @@
 """A Sequence: one generation request as it flows through scheduler, step batch and runner, with its
-session, sampling state, streamed text and finish condition."""
+session, sampling state and the token-level conditions that end it. Its text is made off the engine,
+by the request's OutputStream."""
 from __future__ import annotations
 
 import asyncio
@@ -10,23 +11,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.detokenizer import IncrementalDetokenizer
-from models.tokenizer import TextTokenizer
-
 from .constraints import Constraint
 from .sampling import Sampled, SampleRow, SamplingParams
 from .session import Session
-from .stops import StopMatcher
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A sampled token and the text it makes final (may be empty while held back)."""
+    """A sampled token and, once its OutputStream has rendered it, the text it makes final (may be empty
+    while held back)."""
 
     token: int
-    text: str
+    text: str = ""
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
+    ends_text: bool = False  # an end token (EOS or a stop token id): it ends the reply and shows no text
 
 
 @dataclass(frozen=True)
@@ -34,12 +33,13 @@ class Finished:
     """The end of a request, with its usage."""
 
     reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
-    text: str  # text released at the end (held-back tail, if no stop string matched)
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     error: Exception | None = None
     last: TokenEvent | None = None  # the token that ended the request, if one did: it comes with the end
+    text: str = ""  # rendered: text released at the end (the held-back tail, if no stop string matched)
+    output: str = ""  # rendered: the whole reply's text
 
 
 @dataclass(eq=False)
@@ -48,7 +48,6 @@ class Sequence:
 
     session: Session
     params: SamplingParams
-    tokenizer: TextTokenizer
     prompt_tokens: int  # tokens of this request's prompt
     cached_tokens: int = 0  # of which were not prefilled (session KV or cached prefix), known once admitted
     id: str = field(default_factory=lambda: "req-" + secrets.token_hex(8))
@@ -58,13 +57,13 @@ class Sequence:
     kept: int = 0  # how much of history_before the request kept
     prompt_ids: list[int] = field(default_factory=list)  # the history it starts from (repetition penalty)
     output_ids: list[int] = field(default_factory=list)
-    text: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # Where accept/finish put events; None: straight into `events`. The engine, whose steps run off the
     # event loop, collects them and hands them over to the loop once a step.
     sink: Callable[[asyncio.Queue, object], None] | None = None
     finished: Finished | None = None
     cancelled: bool = False
+    stop_at: int | None = None  # set by its OutputStream: a stop string ends the reply after this many tokens
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -73,8 +72,6 @@ class Sequence:
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)
-        self.detok = IncrementalDetokenizer(self.tokenizer)
-        self.stops = StopMatcher(self.params.stop)
 
     def admitted(self, cached_length: int) -> None:
         """First admission: the session holds KV for its first `cached_length` tokens."""
@@ -90,7 +87,8 @@ class Sequence:
         return len(self.output_ids) < self.params.max_tokens
 
     def accept(self, s: Sampled, eos_ids: frozenset[int]) -> None:
-        """Append a sampled token to the session and the stream; finish when a stop condition holds."""
+        """Append a sampled token to the session and the events; finish when a token-level condition holds
+        (stop strings are matched on the text, by the OutputStream)."""
         now = time.monotonic()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
@@ -100,13 +98,11 @@ class Sequence:
             self.constraint.accept(s.token)
         is_eos = s.token in eos_ids and not self.params.ignore_eos
         stop_token = s.token in self.params.stop_token_ids
-        delta = "" if is_eos or stop_token else self.stops.feed(self.detok.push(s.token))
-        self.text += delta
-        event = TokenEvent(s.token, delta, s.logprob, s.top)
+        event = TokenEvent(s.token, logprob=s.logprob, top=s.top, ends_text=is_eos or stop_token)
         if is_eos or (self.constraint is not None and self.constraint.done):
             self.finish("eos", last=event)  # the reply ended by itself (or its grammar did)
-        elif stop_token or self.stops.stopped:
-            self.finish("stop", last=event)  # one of the request's own stops
+        elif stop_token:
+            self.finish("stop", last=event)  # one of the request's own stop tokens
         elif not self.wants_tokens or len(self.session.tokens) >= self.session.capacity:
             self.finish("length", last=event)
         else:
@@ -115,12 +111,14 @@ class Sequence:
     def finish(self, reason: str, error: Exception | None = None, last: TokenEvent | None = None) -> None:
         if self.finished is not None:
             return
-        tail = ""
-        if not self.stops.stopped:
-            tail = self.stops.feed(self.detok.flush()) + self.stops.flush()
-        self.text += tail
-        self.finished = Finished(reason, tail, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last)
+        self.finished = Finished(reason, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last)
         self._emit(self.finished)
+
+    def cut(self) -> None:
+        """End at the stop string its OutputStream found: the tokens sampled past it leave the session."""
+        del self.output_ids[self.stop_at :]
+        self.session.truncate(len(self.prompt_ids) + self.stop_at)
+        self.finish("stop")
 
     def _emit(self, event: TokenEvent | Finished) -> None:
         if self.sink is None:

@@ -14,6 +14,9 @@ from kvcache import REGISTRY
 from models import DEFAULT_MODEL, load_model
 from models.catalog import DEFAULT_WEIGHTS
 from models.loader import resolve_weights
+from server.output_stream import OutputStream
+from server.sampling import SamplingParams
+from server.sequence import Finished
 
 from ..live_server import LiveServer, metric
 from ..models.test_fidelity import greedy_alone
@@ -189,6 +192,61 @@ def test_stop_strings_are_not_emitted_or_leaked(fast_server):
     assert streamed == expected and final["generated_text"] == expected
     assert final["details"]["finish_reason"] == "stop_sequence"
     assert stop not in streamed
+
+
+def test_a_stop_string_leaves_the_session_exactly_at_the_stop(fast_server):
+    # Stop strings are matched by the handler's output stream, off the model thread, which may sample a
+    # token past the stop (or end the reply by max_new_tokens) before the stream sees it: the session
+    # must still hold the history up to the stop, and continue from there as if nothing else was sampled.
+    url = fast_server.url
+    prompt = "Count: one, two, three, four, five, six,"
+    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}).json()
+    pieces = [t["text"] for t in r["details"]["tokens"]]
+    checked = 0
+    for k in range(3, 12):
+        stop = pieces[k - 2] + pieces[k - 1]  # completes at token k, if it is not found earlier
+        if not stop.strip() or "".join(pieces[:k]).find(stop) != len("".join(pieces[: k - 2])):
+            continue
+        plain, cut = (httpx.post(url + "/v1/sessions", json={}).json()["id"] for _ in range(2))
+        gen(url, prompt, k, session=plain)
+        body = {"inputs": prompt, "session_id": cut, "parameters": {"max_new_tokens": k + 1, "details": True, "stop": [stop]}}
+        out = httpx.post(url + "/generate", json=body).json()
+        assert out["details"]["finish_reason"] == "stop_sequence" and out["details"]["generated_tokens"] == k
+        assert out["generated_text"] == "".join(pieces[: k - 2])
+        lengths = [httpx.get(f"{url}/v1/sessions/{sid}").json()["length"] for sid in (plain, cut)]
+        assert lengths[0] == lengths[1]
+        assert gen(url, " and then", 6, session=cut) == gen(url, " and then", 6, session=plain)
+        for sid in (plain, cut):
+            httpx.delete(f"{url}/v1/sessions/{sid}")
+        checked += 1
+    assert checked >= 3
+
+
+def test_a_stop_seen_after_the_engine_ended_still_cuts_the_session(fast_server):
+    # The other side of the race: the engine ends the reply (max_tokens) before the output stream has
+    # read the token that completes the stop string, so the cut is made on the idle session.
+    engine, url = fast_server.engine, fast_server.url
+    prompt = "Count: one, two, three, four, five, six,"
+    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True}}).json()
+    pieces = [t["text"] for t in r["details"]["tokens"]]
+    k = next(k for k in range(3, 8) if pieces[k - 1].strip() and "".join(pieces[:k]).find(pieces[k - 1]) == len("".join(pieces[: k - 1])))
+    session = engine.create_session(None, None, None)
+    plain = httpx.post(url + "/v1/sessions", json={}).json()["id"]
+    gen(url, prompt, k, session=plain)
+    req = engine.submit(session, engine.tokenizer.encode(prompt), SamplingParams(max_tokens=8, temperature=0.0, stop=(pieces[k - 1],)),
+                        resend=False)
+    deadline = time.monotonic() + 60
+    while req.events.qsize() < 8 and time.monotonic() < deadline:  # 7 tokens, then the end with the 8th: all handed over
+        time.sleep(0.01)
+    assert req.finished is not None and req.finished.reason == "length" and session.busy is None
+    output = OutputStream(engine, req)
+    rendered = [output.render(req.events.get_nowait()) for _ in range(8)]
+    end = next(e for e in rendered if isinstance(e, Finished))
+    assert (end.reason, end.completion_tokens, end.output) == ("stop", k, "".join(pieces[: k - 1]))
+    assert len(session.tokens) == httpx.get(f"{url}/v1/sessions/{plain}").json()["length"]
+    assert gen(url, " and then", 6, session=session.id) == gen(url, " and then", 6, session=plain)
+    for sid in (plain, session.id):
+        httpx.delete(f"{url}/v1/sessions/{sid}")
 
 
 def test_seed_is_reproducible_alone_and_in_a_batch(smollm_server):

@@ -42,12 +42,16 @@ system-deps:
 	@{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } && command -v chromium >/dev/null || \
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light chromium >/dev/null; }
 
+# two workers, each taking whole test files, so a module's server is started once
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+TEST_WORKERS ?= 2
+
 test: $(STAMP_TEST) system-deps
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
 
 # the same suite without the long drills (marked slow), for a quick loop while working
 test-fast: $(STAMP_TEST) system-deps
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 serve: $(STAMP_RUN)
 	$(BIN)/kvserve fetch --model $(MODEL)

@@ -173,6 +173,7 @@ def test_tgi_grammar_through_huggingface_hub(fast_server):
     jsonschema.validate(json.loads(out), schema)
 
 
+@pytest.mark.slow  # a 6,000-token prefill
 def test_a_6000_token_prompt_succeeds_on_default_flags(client):
     text = " ".join(["the river runs past the old mill and the stone bridge"] * 560)
     r = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0)

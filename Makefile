@@ -43,8 +43,8 @@ system-deps:
 	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light chromium >/dev/null; }
 
 # two workers, each taking whole test files, so a module's server is started once
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP_TEST) system-deps
 	$(PYTEST) $(PYTEST_ARGS)

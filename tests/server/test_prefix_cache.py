@@ -155,7 +155,7 @@ def test_n_choices_fork_the_prompt_and_reproduce_with_a_seed(smollm_server):
 
 
 def tight(server):
-    """A server on the same model with a KV budget of 24 blocks (384 tokens): six 100-token requests do
+    """A server on the same model with a KV budget of 24 blocks (384 tokens): eight 100-token requests do
     not fit at once."""
     block_bytes = server.engine.pool.blocks.block_bytes
     tight = LiveServer(server.engine.model, EngineConfig(kv_budget=24 * block_bytes))
@@ -171,15 +171,15 @@ def tight_server(fast_server):
 
 def test_eviction_under_a_small_budget_gives_the_tokens_of_a_large_one(smollm_server):
     # exact weights: preempted and recomputed in other batches, the tokens must match bit for bit
-    prompts = [unique_text(70) for _ in range(6)]
+    prompts = [unique_text(70) for _ in range(8)]
 
     async def run(url):
         async with httpx.AsyncClient(timeout=300) as client:
             rs = await asyncio.gather(*(client.post(url + "/v1/completions", json={
-                "model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}) for p in prompts))
+                "model": MODEL, "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}) for p in prompts))
             return [r.json()["choices"][0]["text"] for r in rs]
 
-    want = [greedy(smollm_server.url, p, 16)["choices"][0]["text"] for p in prompts]
+    want = [greedy(smollm_server.url, p, 24)["choices"][0]["text"] for p in prompts]
     with tight(smollm_server) as tight_server:
         assert asyncio.run(run(tight_server.url)) == want
         assert metric(tight_server.url, "kvserve:num_preemptions_total") > 0

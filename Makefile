@@ -10,6 +10,9 @@ DURATION ?= 60s
 RESULTS ?= results
 # the C++/AVX2 kernels compile once (cached by source hash); without them the server runs f16 weights and SDPA
 BUILD_KERNELS := $(BIN)/kvserve kernels || echo "kernels unavailable: falling back to f16 weights and SDPA attention"
+# --no-compile: byte-compiling all of torch at install costs more than compiling, on first import, the
+# modules that are used
+PIP_INSTALL := $(BIN)/pip install -q --no-compile
 STAMP_RUN := $(VENV)/.installed
 STAMP_TEST := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
@@ -21,17 +24,17 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 $(STAMP_RUN): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(PIP_INSTALL) -e .
 	$(BUILD_KERNELS)
 	touch $@
 
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test]'
+	$(PIP_INSTALL) -e '.[test]'
 	$(BUILD_KERNELS)
 	touch $@ $(STAMP_RUN)
 
 $(STAMP_BENCH): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(PIP_INSTALL) -e '.[test,bench]'
 	$(BUILD_KERNELS)
 	touch $@ $(STAMP_TEST) $(STAMP_RUN)
 

@@ -65,7 +65,7 @@ def snapshot(engine: Engine, owner: str | None, started: int) -> dict:
     return {
         "object": "status",
         "model": engine.model.name,
-        "max_context": engine.model.config.max_context,
+        "max_context": engine.max_context,
         "uptime_s": round(time.time() - started, 1),
         "pool": {
             "budget_bytes": engine.pool.budget, "block_size": blocks.block_size, "block_bytes": blocks.block_bytes,

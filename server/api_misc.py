@@ -22,7 +22,7 @@ async def tokenize(body: TokenizeRequest, http: HttpRequest) -> dict:
         ids = tok.encode(tok.apply_chat_template([tools.plain_message(m) for m in body.messages]), add_special=False)
     else:
         ids = tok.encode(body.prompt, add_special=body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": generation.engine_of(http).model.config.max_context}
+    return {"tokens": ids, "count": len(ids), "max_model_len": generation.engine_of(http).max_context}
 
 
 @router.post("/detokenize")

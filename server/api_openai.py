@@ -285,5 +285,5 @@ async def models(http: HttpRequest) -> dict:
         "object": "model",
         "created": http.app.state.started,
         "owned_by": "kvserve",
-        "max_model_len": engine.model.config.max_context,
+        "max_model_len": engine.max_context,
     }]}

@@ -32,6 +32,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     p.add_argument("--session-capacity", type=int, default=d.session_capacity, help="default tokens per session")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens a sequence may reach (default: the model's context)")
     p.add_argument("--session-sizing", choices=[s.value for s in Sizing], default=d.session_sizing.value)
     p.add_argument("--kv-budget", type=parse_bytes, default=d.kv_budget, help="bytes for all KV caches, e.g. 2GiB")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per step (chunked prefill)")
@@ -44,6 +45,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _engine_config(args) -> EngineConfig:
     return EngineConfig(
         session_capacity=args.session_capacity,
+        max_model_len=args.max_model_len,
         session_sizing=Sizing(args.session_sizing),
         kv_budget=args.kv_budget,
         max_batch_tokens=args.max_batch_tokens,

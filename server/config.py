@@ -28,6 +28,7 @@ class EngineConfig:
     """Capacity and batching limits of one engine."""
 
     session_capacity: int = 2048  # tokens per session unless a session asks for another
+    max_model_len: int | None = None  # tokens a sequence may reach, prompt and reply; None: the model's context
     session_sizing: Sizing = Sizing.DYNAMIC
     kv_budget: int = 4 * 2**30  # bytes held by every installed cache together
     max_batch_tokens: int = 128  # tokens a step: decodes first, then prefill chunks (docs/performance.md has the choice)
@@ -44,6 +45,8 @@ class EngineConfig:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         object.__setattr__(self, "session_sizing", Sizing(self.session_sizing))
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")

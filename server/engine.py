@@ -51,7 +51,10 @@ class Engine:
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
         self.grammars = Grammars(self.tokenizer)
-        self.default_capacity = min(config.session_capacity, c.max_context)
+        self.max_context = c.max_context if config.max_model_len is None else config.max_model_len
+        if self.max_context > c.max_context:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {c.max_context} tokens")
+        self.default_capacity = min(config.session_capacity, self.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
         self.lock = threading.Lock()
@@ -94,10 +97,8 @@ class Engine:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         capacity = self.default_capacity if capacity is None else capacity
-        if capacity > self.model.config.max_context:
-            raise InvalidRequest(
-                f"capacity {capacity} exceeds the model's context of {self.model.config.max_context} tokens", param="capacity"
-            )
+        if capacity > self.max_context:
+            raise InvalidRequest(f"capacity {capacity} exceeds the context of {self.max_context} tokens", param="capacity")
         sizing = Sizing(sizing) if sizing is not None else self.config.session_sizing
         if sizing is Sizing.STATIC and self.pool.full_bytes(capacity) > self.pool.budget:
             raise InvalidRequest(
@@ -195,7 +196,7 @@ class Engine:
         if total + params.max_tokens > session.capacity:
             raise InvalidRequest(
                 f"prompt of {total} tokens plus max_tokens {params.max_tokens} exceeds the session capacity of "
-                f"{session.capacity} tokens (model context {self.model.config.max_context})",
+                f"{session.capacity} tokens (context {self.max_context})",
                 param="max_tokens",
             )
         need = self.pool.full_bytes(session.capacity if session.sizing is Sizing.STATIC else total + params.max_tokens)
@@ -217,7 +218,7 @@ class Engine:
                        max_tokens_given: bool) -> list[Sequence]:
         """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
         others fork its KV once that is cached (kept out of the queue's way until then)."""
-        sessions = [self.create_session(self.model.config.max_context, "dynamic", owner, persistent=False) for _ in params]
+        sessions = [self.create_session(self.max_context, "dynamic", owner, persistent=False) for _ in params]
         reqs: list[Sequence] = []
         try:
             constraints = [self._constraint(p) for p in params]

@@ -60,8 +60,8 @@ def start(
         return engine.submit_choices(prompt, choices, owner, max_tokens_given)
     if session_id is not None:
         session, temporary = engine.sessions.get(session_id, owner), False
-    else:  # a temporary session is sized to its request: a dynamic one, bounded by the model's context
-        session, temporary = engine.create_session(engine.model.config.max_context, "dynamic", owner, persistent=False), True
+    else:  # a temporary session is sized to its request: a dynamic one, bounded by the context (--max-model-len)
+        session, temporary = engine.create_session(engine.max_context, "dynamic", owner, persistent=False), True
     try:
         return [engine.submit(session, prompt, params, resend, max_tokens_given)]
     except Exception:

@@ -14,6 +14,13 @@ from .live_server import LiveServer
 torch.manual_seed(0)
 
 
+def pytest_collection_modifyitems(items):
+    """Files with a long drill (marked slow) go first: `make test`'s workers take whole files in this
+    order, and a long file started last would leave one worker idle while it runs."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file keeps its own order
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
     return fetch(DEFAULT_MODEL, quiet=True)

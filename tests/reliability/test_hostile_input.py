@@ -22,6 +22,13 @@ def tiny_server(tiny_model):
         yield server
 
 
+@pytest.fixture(scope="module")
+def short_server(tiny_model):
+    """The tiny model served with --max-model-len 48: every reply the fuzzer asks for stays short."""
+    with LiveServer(tiny_model, EngineConfig(max_model_len=48, max_stop_strings=4), name="tiny") as server:
+        yield server
+
+
 def error_of(r, status):
     assert r.status_code == status, (r.status_code, r.text)
     body = r.json()
@@ -79,15 +86,23 @@ def test_body_limit_busy_session_and_unknown_session(tiny_server):
     assert httpx.get(url + "/health").status_code == 200
 
 
-@pytest.mark.slow
-def test_schemathesis_finds_no_server_errors(tiny_server, tmp_path):
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", tiny_server.url + "/openapi.json",
+def test_max_model_len_bounds_every_sequence(short_server):
+    url = short_server.url
+    assert httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"] == 48
+    error_of(httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 60}), 400)
+    error_of(httpx.post(url + "/v1/sessions", json={"capacity": 49}), 400)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi there", "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["total_tokens"] == 48
+
+
+def test_schemathesis_finds_no_server_errors(short_server, tmp_path):
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", short_server.url + "/openapi.json",
            "--checks", "not_a_server_error,response_schema_conformance", "--max-examples", "15",
            "--seed", "1", "--workers", "1", "--request-timeout", "60",
            "--phases", "examples,coverage,fuzzing"]  # no --max-time: with one, fuzzing runs until it is spent
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert httpx.get(tiny_server.url + "/health").status_code == 200
+    assert httpx.get(short_server.url + "/health").status_code == 200
 
 
 def test_api_keys_and_session_ownership(tiny_model):

@@ -205,7 +205,7 @@ def test_a_stop_string_leaves_the_session_exactly_at_the_stop(fast_server):
     checked = 0
     for k in range(3, 12):
         stop = pieces[k - 2] + pieces[k - 1]  # completes at token k, if it is not found earlier
-        if not stop.strip() or "".join(pieces[:k]).find(stop) != len("".join(pieces[: k - 2])):
+        if checked == 3 or not stop.strip() or "".join(pieces[:k]).find(stop) != len("".join(pieces[: k - 2])):
             continue
         plain, cut = (httpx.post(url + "/v1/sessions", json={}).json()["id"] for _ in range(2))
         gen(url, prompt, k, session=plain)

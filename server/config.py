@@ -51,6 +51,12 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
 
+    def context(self, model_context: int) -> int:
+        """The tokens a sequence may reach: --max-model-len, which may not exceed the model's context."""
+        if self.max_model_len is not None and self.max_model_len > model_context:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {model_context} tokens")
+        return self.max_model_len or model_context
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -88,7 +88,11 @@ class Grammars:
             raise InvalidRequest(f"invalid {param}: {error.strip()}", param=param)
         return grammar
 
-    def matcher(self, grammar: str) -> Constraint:
+    def matcher(self, grammar: str | None) -> Constraint | None:
+        """A request's grammar state (None for no grammar). Compiled in the handler's thread, before it
+        takes the engine's lock, which the model thread would otherwise wait on."""
+        if grammar is None:
+            return None
         return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self._tokenizer.vocab_size)
 
 

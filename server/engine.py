@@ -51,9 +51,7 @@ class Engine:
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
         self.grammars = Grammars(self.tokenizer)
-        self.max_context = c.max_context if config.max_model_len is None else config.max_model_len
-        if self.max_context > c.max_context:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {c.max_context} tokens")
+        self.max_context = config.context(c.max_context)
         self.default_capacity = min(config.session_capacity, self.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
@@ -91,9 +89,8 @@ class Engine:
         self.runner.close()
 
     # ---- sessions --------------------------------------------------------------------------
-    def create_session(
-        self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True, session_id: str | None = None
-    ) -> Session:
+    def create_session(self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True,
+                       session_id: str | None = None) -> Session:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         capacity = self.default_capacity if capacity is None else capacity
@@ -101,11 +98,8 @@ class Engine:
             raise InvalidRequest(f"capacity {capacity} exceeds the context of {self.max_context} tokens", param="capacity")
         sizing = Sizing(sizing) if sizing is not None else self.config.session_sizing
         if sizing is Sizing.STATIC and self.pool.full_bytes(capacity) > self.pool.budget:
-            raise InvalidRequest(
-                f"a static session of {capacity} tokens needs {self.pool.full_bytes(capacity)} bytes, "
-                f"more than the whole KV budget of {self.pool.budget} bytes",
-                param="capacity",
-            )
+            raise InvalidRequest(f"a static session of {capacity} tokens needs {self.pool.full_bytes(capacity)} bytes, "
+                                 f"more than the whole KV budget of {self.pool.budget} bytes", param="capacity")
         with self.lock:
             session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
             if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
@@ -143,36 +137,21 @@ class Engine:
 
     def rewind_session(self, session: Session, length: int) -> None:
         with self.lock:
-            self.sessions.check_idle(session)
-            if not 0 <= length <= len(session.tokens):
-                raise InvalidRequest(f"length must be between 0 and the session's length {len(session.tokens)}", param="length")
-            session.truncate(length)
+            self.sessions.rewind(session, length)
 
     # ---- requests --------------------------------------------------------------------------
-    def submit(
-        self,
-        session: Session,
-        prompt: list[int],
-        params: SamplingParams,
-        resend: bool,
-        max_tokens_given: bool = True,
-    ) -> Sequence:
+    def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
+               max_tokens_given: bool = True) -> Sequence:
         """Validate and enqueue; nothing about the session changes unless the request is accepted.
 
         resend=True: `prompt` is the whole conversation (OpenAI clients); the session keeps the
         longest common prefix of its history and prefills the rest. resend=False: `prompt` continues
-        the session's history.
-        """
-        constraint = self._constraint(params)
+        the session's history."""
+        constraint = self.grammars.matcher(params.grammar)
         with self.lock:
             req = self._submit(session, prompt, params, resend, max_tokens_given, constraint)
         self._wake.set()
         return req
-
-    def _constraint(self, params: SamplingParams) -> Constraint | None:
-        """The request's grammar matcher, compiled in the caller's thread before it takes the engine lock,
-        which the model thread would otherwise wait on."""
-        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
 
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
                 max_tokens_given: bool, constraint: Constraint | None) -> Sequence:
@@ -221,7 +200,7 @@ class Engine:
         sessions = [self.create_session(self.max_context, "dynamic", owner, persistent=False) for _ in params]
         reqs: list[Sequence] = []
         try:
-            constraints = [self._constraint(p) for p in params]
+            constraints = [self.grammars.matcher(p.grammar) for p in params]
             with self.lock:
                 self.scheduler.check_room(len(params))
                 for session, p, constraint in zip(sessions, params, constraints):
@@ -252,10 +231,7 @@ class Engine:
                 req.stop_at = kept  # cut at the next step, when no step is writing its KV
                 self._wake.set()
                 return
-            session = req.session
-            ended_itself = req.finished.reason in ("eos", "stop", "length")  # not failed (history restored)
-            if ended_itself and req.finished.completion_tokens > kept and session.busy is None and session.persistent:
-                session.truncate(len(req.prompt_ids) + kept)
+            req.trim_after_end(kept)
 
     # ---- the step loop (model thread) ------------------------------------------------------
     def _step_loop(self) -> None:

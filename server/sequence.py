@@ -114,6 +114,14 @@ class Sequence:
         self.finished = Finished(reason, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last)
         self._emit(self.finished)
 
+    def trim_after_end(self, kept: int) -> None:
+        """A stop string its OutputStream found only after the request ended by itself: the idle session
+        keeps the history up to the stop. (A failed request's session already has its earlier history.)"""
+        session, end = self.session, self.finished
+        ended_itself = end.reason in ("eos", "stop", "length")
+        if ended_itself and end.completion_tokens > kept and session.busy is None and session.persistent:
+            session.truncate(len(self.prompt_ids) + kept)
+
     def cut(self) -> None:
         """End at the stop string its OutputStream found: the tokens sampled past it leave the session."""
         del self.output_ids[self.stop_at :]

@@ -106,6 +106,13 @@ class SessionStore:
     def remove(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
 
+    def rewind(self, session: Session, length: int) -> None:
+        """Keep the first `length` tokens of an idle session's history."""
+        self.check_idle(session)
+        if not 0 <= length <= len(session.tokens):
+            raise InvalidRequest(f"length must be between 0 and the session's length {len(session.tokens)}", param="length")
+        session.truncate(length)
+
     def check_idle(self, session: Session) -> None:
         if session.busy is not None:
             raise Conflict(f"session {session.id!r} is busy with another request", param="session_id")

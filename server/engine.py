@@ -14,13 +14,13 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvcache import REGISTRY, CacheConfig, CacheRegistry, PoolExhausted, Sizing
+from kvcache import REGISTRY, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
 from .config import EngineConfig
 from .constraints import Constraint, Grammars
 from .errors import InvalidRequest, Overloaded, ShuttingDown
-from .kv_pool import KVPool, kv_dtype
+from .kv_pool import KVPool, kv_layout
 from .metrics import Metrics, RecentSteps
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
@@ -39,7 +39,7 @@ class Engine:
                  worker: ThreadPoolExecutor | None = None) -> None:
         c = model.config
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
-        layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=kv_dtype(config.kv_dtype, model))
+        layout = kv_layout(model, config.kv_dtype)
         self.pool = KVPool(registry, config.kv_budget, layout)
         self.sessions = SessionStore(config.max_sessions)
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)

@@ -18,6 +18,12 @@ def kv_dtype(choice: str, model: LoadedModel) -> torch.dtype:
     return getattr(torch, choice)
 
 
+def kv_layout(model: LoadedModel, choice: str, capacity: int = 1) -> CacheConfig:
+    """The shape and element type of the model's KV, with the `--kv-dtype` choice."""
+    c = model.config
+    return CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype=kv_dtype(choice, model))
+
+
 class KVPool:
     """Installs session caches on the engine's block pool (attaching cached prefixes), forks and drops them."""
 

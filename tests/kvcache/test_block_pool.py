@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from kvcache import BlockPool, CacheConfig, CacheRegistry, PoolExhausted, SessionCache, Sizing
+from kvcache import BlockPool, CacheRegistry, PoolExhausted, SessionCache, Sizing
 from kvcache.block_pool import prefix_hashes
 
 from .tiny_attention import TinyAttention, positions

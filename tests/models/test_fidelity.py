@@ -4,10 +4,10 @@ import math
 import pytest
 import torch
 
-from kvcache import REGISTRY, CacheConfig, SessionCache
+from kvcache import REGISTRY, SessionCache
 from models import DEFAULT_MODEL, load_model
 from server.config import EngineConfig
-from server.kv_pool import kv_dtype
+from server.kv_pool import kv_layout
 
 PROMPTS = [
     "The capital of France is",
@@ -30,14 +30,13 @@ TEXT = (
 def greedy_batch(model, prompts, n_tokens):
     """Greedy continuations of all prompts, decoded together in one step per token, with the KV dtype
     the server gives this model (float16 beside approximate weights)."""
-    c, tok = model.config, model.tokenizer
-    dtype = kv_dtype(EngineConfig().kv_dtype, model)
+    tok = model.tokenizer
     keys = [f"fidelity-{model.weights}-{i}" for i in range(len(prompts))]
     ids = [tok.encode(p) for p in prompts]
     last = []
     with torch.inference_mode():
         for key, p in zip(keys, ids):
-            REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, 256, dtype=dtype)))
+            REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, 256)))
             REGISTRY.set_active(key)
             last.append(int(model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]))[0].argmax()))
         outs = [[t] for t in last]
@@ -53,11 +52,9 @@ def greedy_batch(model, prompts, n_tokens):
 
 
 def perplexity(model, text):
-    c = model.config
     ids = model.tokenizer.encode(text)
     key = f"ppl-{model.weights}"
-    dtype = kv_dtype(EngineConfig().kv_dtype, model)
-    REGISTRY.install(key, SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, len(ids), dtype=dtype)))
+    REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, len(ids))))
     REGISTRY.set_active(key)
     with torch.inference_mode():
         logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1))

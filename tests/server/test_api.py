@@ -11,14 +11,13 @@ import torch
 from huggingface_hub import InferenceClient
 
 from kvcache import REGISTRY
-from models import DEFAULT_MODEL, load_model
 from models.catalog import DEFAULT_WEIGHTS
 from models.loader import resolve_weights
 from server.output_stream import OutputStream
 from server.sampling import SamplingParams
 from server.sequence import Finished
 
-from ..live_server import LiveServer, metric
+from ..live_server import metric
 from ..models.test_fidelity import greedy_alone
 
 MODEL = "smollm2-135m-instruct"

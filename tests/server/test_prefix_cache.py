@@ -6,10 +6,10 @@ import httpx
 import openai
 import pytest
 
-from kvcache import BlockPool, CacheConfig
+from kvcache import BlockPool
 from models import load_model
 from server.config import EngineConfig
-from server.kv_pool import kv_dtype
+from server.kv_pool import kv_layout
 
 from ..live_server import LiveServer, metric
 
@@ -170,9 +170,7 @@ def tight(server):
 def tiny_tight_server(tiny_checkpoints):
     """The tiny model with a KV budget of 24 blocks: 32 streams at once outgrow it."""
     model = load_model(str(tiny_checkpoints["llama"]))
-    c = model.config
-    layout = CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity=1, dtype=kv_dtype("auto", model))
-    block_bytes = BlockPool.for_budget(layout, 2**30).block_bytes
+    block_bytes = BlockPool.for_budget(kv_layout(model, "auto"), 2**30).block_bytes
     with LiveServer(model, EngineConfig(kv_budget=24 * block_bytes)) as server:
         assert server.engine.pool.blocks.n_blocks == 24
         yield server

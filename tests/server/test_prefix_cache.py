@@ -44,8 +44,9 @@ def test_a_shared_system_prompt_is_prefilled_once(fast_server):
     assert metric(url, "kvserve:prefix_cache_hits_total") - hits_before >= 7 * 480
 
 
-def test_greedy_tokens_are_the_same_from_the_cache_prefilled_alone_or_batched(fast_server):
-    url = fast_server.url
+def test_greedy_tokens_are_the_same_from_the_cache_prefilled_alone_or_batched(smollm_server):
+    # exact weights: q4's kernels change float order with the rows in a step, so equality there is luck
+    url = smollm_server.url
     prompt = unique_text(120)
     cold = greedy(url, prompt, logprobs=0)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -102,8 +103,9 @@ def test_thirty_two_forks_share_the_parents_blocks(fast_server):
     pool.blocks.check()
 
 
-def test_a_fork_and_its_parent_diverge_without_touching_each_other(fast_server):
-    url, engine = fast_server.url, fast_server.engine
+def test_a_fork_and_its_parent_diverge_without_touching_each_other(smollm_server):
+    # exact weights: each side is compared token for token with a request prefilled in other shapes
+    url, engine = smollm_server.url, smollm_server.engine
 
     def gen(sid, text):
         r = httpx.post(url + "/generate", json={"inputs": text, "session_id": sid, "parameters": {"max_new_tokens": 10}},

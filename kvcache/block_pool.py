@@ -9,10 +9,15 @@ of blocks for the native kernel to read, and a full block's hash chains over the
 before it, so finding a cached prefix is one dictionary look-up per block and sharing it is a
 reference count. A radix tree matches at token granularity, but only whole blocks can be shared
 without a copy, and the tree would be a second structure over the same blocks.
+
+Why a hit re-checks token ids (as nano-vllm's block manager does): each block records the ids of the
+tokens it holds, beside its KV. A prefix hit compares them with the request's tokens before sharing
+the block, so a stale index entry or a hash collision costs a recompute, never a wrong answer.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,6 +28,8 @@ from .config import CacheConfig
 from .errors import PoolExhausted
 
 DEFAULT_BLOCK_SIZE = 16
+
+log = logging.getLogger("kvserve.kvcache")
 
 
 def chain_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
@@ -59,6 +66,8 @@ class BlockPool:
         self.k = torch.empty(*shape, layout.head_dim, dtype=layout.dtype)
         self.v = torch.empty(*shape, layout.value_dim, dtype=layout.dtype)
         self.refs = [0] * n_blocks
+        self.ids = array("q", bytes(8 * n_blocks * block_size))  # block b's token ids: ids[b * B : (b + 1) * B]
+        self.mismatches = 0  # prefix hits refused because a block's ids were not the request's (a bug)
         self._free = list(range(n_blocks - 1, -1, -1))  # a stack: low ids first, so reused pages stay warm
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, bytes] = {}
@@ -125,16 +134,29 @@ class BlockPool:
             else:
                 self._free.append(block)
 
+    def indexed(self, block: int) -> bool:
+        return block in self._hash_of
+
     def is_shared(self, block: int) -> bool:
         """Whether writing into `block` would change what another cache or the prefix index sees."""
-        return self.refs[block] > 1 or block in self._hash_of
+        return self.refs[block] > 1 or self.indexed(block)
 
     def copy(self, block: int, reserved: bool = False) -> int:
         """A private copy of `block` (copy on write), with one reference."""
         fresh = self.allocate(reserved)
         self.k[fresh].copy_(self.k[block])
         self.v[fresh].copy_(self.v[block])
+        b = self.block_size
+        self.ids[fresh * b : (fresh + 1) * b] = self.ids[block * b : (block + 1) * b]
         return fresh
+
+    def record(self, block: int, row: int, tokens: Sequence[int]) -> None:
+        """Note the ids of the tokens whose KV lies in `block` from `row` on."""
+        at = block * self.block_size + row
+        self.ids[at : at + len(tokens)] = array("q", tokens)
+
+    def tokens_of(self, block: int) -> list[int]:
+        return self.ids[block * self.block_size : (block + 1) * self.block_size].tolist()
 
     # ---- the prefix index --------------------------------------------------------------------
     def publish(self, block: int, digest: bytes) -> None:
@@ -143,16 +165,33 @@ class BlockPool:
             self._block_of[digest] = block
             self._hash_of[block] = digest
 
-    def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """The cached blocks of the longest indexed prefix of `hashes`, each given one more reference."""
-        blocks = []
-        for digest in hashes:
+    def match(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> list[int]:
+        """The cached blocks of the longest indexed prefix of `hashes` (the chained hashes of `tokens`'s full
+        blocks) whose recorded ids are those tokens, each given one more reference."""
+        blocks, b = [], self.block_size
+        for i, digest in enumerate(hashes):
             block = self._block_of.get(digest)
             if block is None:
+                break
+            if self.ids[block * b : (block + 1) * b] != array("q", tokens[i * b : (i + 1) * b]):
+                self._mismatch(block)
                 break
             self.share(block)
             blocks.append(block)
         return blocks
+
+    def index(self) -> dict[bytes, int]:
+        """The prefix index: chained hash -> the block holding that prefix's last full block."""
+        return dict(self._block_of)
+
+    def _mismatch(self, block: int) -> None:
+        """An indexed block whose ids are not those its hash promised: never serve it, forget it, recompute."""
+        self.mismatches += 1
+        log.error("prefix cache: block %d is indexed under a hash its token ids do not match; dropped from the index", block)
+        del self._block_of[self._hash_of.pop(block)]
+        if self.refs[block] == 0:
+            del self._cached[block]
+            self._free.append(block)
 
     def check(self) -> None:
         """Assert the pool's invariants (tests and drills)."""
@@ -165,3 +204,4 @@ class BlockPool:
         assert cached <= set(self._hash_of) and not (free & set(self._hash_of))
         assert all(self._block_of[h] == b for b, h in self._hash_of.items())
         assert 0 <= self.reserved <= len(free) + len(cached)
+        assert len(self.ids) == self.n_blocks * self.block_size

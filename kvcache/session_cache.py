@@ -164,8 +164,12 @@ class SessionCache:
         self.table, self._hashes = [], []
 
     def publish(self, tokens: Sequence[int]) -> None:
-        """Index the full blocks of the history, whose token ids are tokens[:length], for prefix reuse."""
+        """Record the ids of the history, tokens[:length], beside its KV, and index its full blocks for
+        prefix reuse. Rows already published keep the ids they have: an indexed block is never written."""
         b, done = self.pool.block_size, len(self._hashes)
+        for i in range(done, blocks_for(self._length, b)):
+            if not self.pool.indexed(self.table[i]):  # (one kept through a rewind holds these ids already)
+                self.pool.record(self.table[i], 0, tokens[i * b : min((i + 1) * b, self._length)])
         fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else b"")
         for block, digest in zip(self.table[done:], fresh):
             self.pool.publish(block, digest)
@@ -176,7 +180,7 @@ class SessionCache:
         assert self._length == 0 and not self.table, "only an empty cache attaches a prefix"
         limit = min(len(tokens), self.config.capacity)
         hashes = prefix_hashes(tokens[:limit], self.pool.block_size)
-        self.table = self.pool.match(hashes)
+        self.table = self.pool.match(hashes, tokens[:limit])
         self._take()
         self._hashes = hashes[: len(self.table)]
         self._length = len(self.table) * self.pool.block_size

@@ -73,6 +73,7 @@ def snapshot(engine: Engine, owner: str | None, started: int) -> dict:
             "cached_blocks": blocks.n_cached(), "free_blocks": blocks.n_free(),
             "prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
+            "prefix_cache_mismatches": blocks.mismatches,
         },
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
         "steps": engine.recent.summary(),

@@ -288,6 +288,7 @@ class Engine:
     def _observe_finished(self) -> None:
         s = self.scheduler
         self.metrics.observe(s.take_retired(), s.take_preemptions(), s.take_evictions(), *s.take_prefix_counts())
+        self.metrics.pool_mismatches(self.pool.blocks.mismatches)
         self.metrics.sessions.set(len(self.sessions))
 
     def _update_gauges(self) -> None:

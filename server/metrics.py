@@ -43,6 +43,8 @@ class Metrics:
         self.evictions = counter("kvserve:num_session_evictions", "Idle sessions whose KV was evicted")
         self.prefix_queries = counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the KV (sessions and prefix cache)")
         self.prefix_hits = counter("kvserve:prefix_cache_hits", "Prompt tokens found in the KV, not prefilled")
+        self.prefix_mismatches = counter("kvserve:prefix_cache_mismatches", "Prefix hits refused: a cached block's token ids were not the request's (a bug; the block was recomputed)")
+        self._mismatches_seen = 0
         self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
 
@@ -66,6 +68,11 @@ class Metrics:
         self.prefix_totals[0] += prefix_queries
         self.prefix_totals[1] += prefix_hits
         self.prompt_tokens.inc(prefix_queries - prefix_hits)
+
+    def pool_mismatches(self, total: int) -> None:
+        """The pool's running count of refused prefix hits."""
+        self.prefix_mismatches.inc(total - self._mismatches_seen)
+        self._mismatches_seen = total
 
     def gauges(self, kv_used: int, kv_budget: int, kv_cached: int, running: int, waiting: int) -> None:
         self.kv_bytes.set(kv_used)

@@ -108,27 +108,30 @@ def test_a_fork_and_its_parent_diverge_without_touching_each_other(smollm_server
     url, engine = smollm_server.url, smollm_server.engine
 
     def gen(sid, text):
-        r = httpx.post(url + "/generate", json={"inputs": text, "session_id": sid, "parameters": {"max_new_tokens": 10}},
-                       timeout=60)
-        return r.json()["generated_text"]
+        """One turn -> (its text, the tokens it continued from); the reply may end early at EOS."""
+        r = httpx.post(url + "/generate", json={"inputs": text, "session_id": sid,
+                                                "parameters": {"max_new_tokens": 10, "details": True}}, timeout=60).json()
+        tokens = engine.sessions.get(sid, None).tokens
+        return r["generated_text"], tokens[: len(tokens) - r["details"]["generated_tokens"]]
 
     def alone(tokens):
-        """Greedy tokens after `tokens`, computed without any session."""
-        return greedy(url, tokens, 10)["choices"][0]["text"]
+        """Greedy text after `tokens`, computed without any session, ending where the turn could end."""
+        return greedy(url, tokens, 10, ignore_eos=False)["choices"][0]["text"]
 
     parent = httpx.post(url + "/v1/sessions", json={}).json()["id"]
     gen(parent, unique_text(25))
     history = list(engine.sessions.get(parent, None).tokens)
     child = httpx.post(f"{url}/v1/sessions/{parent}/fork").json()["id"]
     assert engine.sessions.get(child, None).tokens == history
-    on_child = gen(child, " The weather today is")
+    on_child, child_prompt = gen(child, " The weather today is")
     assert engine.sessions.get(parent, None).tokens == history  # the child's turn wrote nothing of the parent's
-    on_parent = gen(parent, " My favourite number is")
-    child_tokens, parent_tokens = engine.sessions.get(child, None).tokens, engine.sessions.get(parent, None).tokens
-    assert child_tokens[: len(history)] == parent_tokens[: len(history)] == history
+    on_parent, parent_prompt = gen(parent, " My favourite number is")
+    assert child_prompt[: len(history)] == parent_prompt[: len(history)] == history
+    assert child_prompt[len(history) :] == engine.tokenizer.encode(" The weather today is")
+    assert parent_prompt[len(history) :] == engine.tokenizer.encode(" My favourite number is")
     # each side's KV is its own history's: it continues as a request over those tokens alone does
-    assert on_child == alone(child_tokens[: len(child_tokens) - 10])
-    assert on_parent == alone(parent_tokens[: len(parent_tokens) - 10])
+    assert on_child == alone(child_prompt)
+    assert on_parent == alone(parent_prompt)
     assert on_child != on_parent
     for sid in (parent, child):
         httpx.delete(f"{url}/v1/sessions/{sid}")

@@ -1,9 +1,12 @@
 """The registry of installed session caches and of the step the op serves next.
 
-Install a cache once, when its session is created; activate it (alone, or as one span of a
-multi-session step) before every forward that should read and extend it. A step is bound to the
-thread that activates it, and the op serves the calling thread's step: an engine that steps on its
-own thread with its own registry never sees another's. `REGISTRY` below is the default instance.
+One lifecycle, as the seed names it: `install` a session's cache once, when the session is created;
+`set_active(spans)` before each batched step, which validates the step, reserves its room and returns
+its `ActiveStep`; the forward; then the step's `commit()` (every span's length moves) or `abort()`
+(reserved blocks go back, every history stays as it was); then `set_active(None)`; `uninstall` when
+the session ends. A step is bound to the thread that activates it, and the op serves the calling
+thread's step: an engine that steps on its own thread with its own registry never sees another's.
+`REGISTRY` below is the default instance.
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from .session_cache import SessionCache
 from . import step as steps
 from .step import ActiveStep
 
-SpanSpec = str | tuple[str, int]
+# a span: a cache (or the key it is installed under), with the count of its tokens in the step
+Owner = SessionCache | str
+SpanSpec = Owner | tuple[Owner, int]
 ATTEND_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("attend_spans.cpp", "bound_step.cpp")]
 
 
@@ -79,40 +84,33 @@ class CacheRegistry:
     def __len__(self) -> int:
         return len(self._caches)
 
-    def set_active(self, spans: SpanSpec | Sequence[SpanSpec] | None) -> None:
-        """Select what the next forward(s) read and extend; each forward commits itself.
+    def set_active(self, spans: SpanSpec | Sequence[SpanSpec] | None) -> ActiveStep | None:
+        """Begin the next step over `spans` and return it; None ends the active step (aborting it if
+        it was neither committed nor aborted).
 
-        `"a"` gives session a every token of the step; `[("a", 6), ("b", 1)]` splits the flat token
-        axis, in order, between sessions; None deactivates. With every count given, the step is
-        validated and its room reserved here (CacheFull or PoolExhausted change nothing).
+        `[(a, 6), (b, 1)]` splits the flat token axis, in order, between caches (or installed keys);
+        with every count given, the step is validated and its room reserved here (CacheFull or
+        PoolExhausted change nothing). A lone cache may come without a count: it owns every token of
+        the forward, and the step begins at its first layer. After a commit, the same step may run
+        the next forward over the same caches.
         """
         with self._lock:
             if spans is None:
                 self._make_active(None, ())
-                return
-            self._make_active(*self._step(spans, auto_commit=True))
-
-    def activate(self, spans: Sequence[tuple[str, int]]) -> ActiveStep:
-        """Begin one step (validated, room reserved) for the next forward; the caller then calls its
-        commit() once the forward has run, or abort() if it failed, and deactivates."""
-        with self._lock:
-            step, keys = self._step(spans, auto_commit=False)
-            self._make_active(step, keys)
+                return None
+            if isinstance(spans, (str, SessionCache)):
+                spans = [spans]
+            resolved: list[tuple[SessionCache, int | None]] = []
+            for spec in spans:
+                owner, n = (spec, None) if isinstance(spec, (str, SessionCache)) else spec
+                if n is None and len(spans) > 1:
+                    raise CacheError("with several sessions in a step, give each span's token count")
+                if n is not None and (not isinstance(n, int) or n <= 0):
+                    raise CacheError(f"span of {owner!r} must have a positive token count, got {n!r}")
+                resolved.append((self.get(owner) if isinstance(owner, str) else owner, n))
+            step = ActiveStep(resolved, native=self.native_attention())
+            self._make_active(step, tuple(c.key for c, _ in resolved))
             return step
-
-    def _step(self, spans, auto_commit: bool) -> tuple[ActiveStep, tuple[str, ...]]:
-        if isinstance(spans, str):
-            spans = [spans]
-        resolved: list[tuple[SessionCache, int | None]] = []
-        for spec in spans:
-            key, n = (spec, None) if isinstance(spec, str) else spec
-            if n is None and len(spans) > 1:
-                raise CacheError("with several sessions in a step, give each span's token count")
-            if n is not None and (not isinstance(n, int) or n <= 0):
-                raise CacheError(f"span of {key!r} must have a positive token count, got {n!r}")
-            resolved.append((self.get(key), n))
-        step = ActiveStep(resolved, native=self.native_attention(), auto_commit=auto_commit)
-        return step, tuple(c.key for c, _ in resolved)
 
     def _make_active(self, step: ActiveStep | None, keys: tuple[str, ...]) -> None:
         if self._active is not None and self._active is not step:
@@ -124,14 +122,21 @@ class CacheRegistry:
         return self._active_keys
 
     @contextlib.contextmanager
-    def active(self, spans: SpanSpec | Sequence[SpanSpec]) -> Iterator[None]:
-        """Activate `spans` for the block, then restore whatever was active before."""
+    def active(self, spans: SpanSpec | Sequence[SpanSpec]) -> Iterator[ActiveStep]:
+        """set_active(spans) for the block, which runs one forward: it commits when the block ends (or
+        aborts if it raised), then whatever was active before is active again."""
         with self._lock:
             saved = (self._active, self._active_keys)
             self._active = None  # the saved step is set aside, not aborted
-        self.set_active(spans)
         try:
-            yield
+            step = self.set_active(spans)
+            try:
+                yield step
+            except BaseException:
+                step.abort()
+                raise
+            if step.begun:
+                step.commit()
         finally:
             with self._lock:
                 self._make_active(*saved)

@@ -1,8 +1,8 @@
 """One forward's worth of cache work: which session owns which span of the flat token axis.
 
 Lifecycle: begin (every span validated, room reserved in the pool; nothing else changes) -> the
-forward's layers -> commit (every span's length moves) or abort (reserved blocks go back). So a refused
-step changes no session, and one that fails midway leaves every committed length as it was.
+forward's layers -> the caller's commit (every span's length moves) or abort (reserved blocks go back).
+So a refused step changes no session, and one that fails midway leaves every committed length as it was.
 
 With the native kernels loaded, a begun step is bound to the thread that began it
 (kernels/bound_step.cpp) and the forward's layers run in C++ straight from the graph; calls the kernel
@@ -36,13 +36,10 @@ def bound() -> ActiveStep | None:
 
 
 class ActiveStep:
-    """Spans of the token axis, in order, each owned by one session cache.
+    """Spans of the token axis, in order, each owned by one session cache; the caller commits or aborts
+    after each forward, and every layer may run natively."""
 
-    auto_commit: the forward's last layer commits (the library API: a forward extends the caches).
-    Otherwise the caller commits or aborts after the forward, and every layer may run natively.
-    """
-
-    def __init__(self, spans: list[tuple[SessionCache, int | None]], native: bool = False, auto_commit: bool = True) -> None:
+    def __init__(self, spans: list[tuple[SessionCache, int | None]], native: bool = False) -> None:
         if not spans:
             raise CacheError("an active step needs at least one span")
         n_layers = {cache.config.n_layers for cache, _ in spans}
@@ -53,7 +50,7 @@ class ActiveStep:
         dtypes = {cache.config.dtype for cache, _ in spans}
         if native and len(dtypes) != 1:
             native = False  # the kernel reads one cache dtype a call
-        self.spans, self.n_layers, self.native, self.auto_commit = spans, n_layers.pop(), native, auto_commit
+        self.spans, self.n_layers, self.native = spans, n_layers.pop(), native
         self.sizes: list[int] | None = None  # set by begin
         self._next_layer = 0  # the Python path's count of layers run (the native kernel keeps its own)
         self._bound = False
@@ -118,11 +115,9 @@ class ActiveStep:
         for cache in caches:
             starts.append(len(flat))
             flat.extend(cache.table)
-        # auto_commit leaves the last layer to the Python path, which commits
-        native_layers = self.n_layers - 1 if self.auto_commit else self.n_layers
         torch.ops.kvcache_native.bind_step(
             [c.pool.k for c in caches], [c.pool.v for c in caches], torch.tensor(flat, dtype=torch.long),
-            starts, self.offsets, self.lengths, self.sizes, native_layers,
+            starts, self.offsets, self.lengths, self.sizes, self.n_layers,
         )
         self._bound = True
 
@@ -146,16 +141,11 @@ class ActiveStep:
         else:
             out = self._attend_each(q, k, v, layer_id, scale)
             self._next_layer = layer_id + 1
-        if layer_id == self.n_layers - 1 and self.auto_commit:
-            self.commit()
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     def _start_forward(self, position: torch.Tensor, n_tokens: int) -> None:
         if self.begun and self.next_layer() != 0:
-            if self.auto_commit:
-                self.abort()  # the last forward failed midway: its reservation goes back first
-            else:
-                raise CacheError("a forward must be committed or aborted before the next one starts")
+            raise CacheError("a forward must be committed or aborted before the next one starts")
         if not self.begun:
             self.begin(n_tokens)
         try:

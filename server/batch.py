@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache import SessionCache
+
 from .sampling import SampleRow
 
 
@@ -12,6 +14,7 @@ class Chunk:
 
     request_id: str
     session_id: str
+    cache: SessionCache  # the session's KV, which the step extends by `tokens`
     tokens: tuple[int, ...]
     start: int  # position of tokens[0] (== the session's cached length before the step)
     sample: bool

@@ -35,7 +35,7 @@ class ModelRunner:
         n = min(WARM_UP_TOKENS, self.model.config.max_context)
         self.registry.install(WARM_UP_KEY, SessionCache(dataclasses.replace(layout, capacity=n)))
         try:
-            with self.registry.active([(WARM_UP_KEY, n)]), torch.inference_mode():
+            with self.registry.active([(WARM_UP_KEY, n)]), torch.inference_mode():  # commits after the forward
                 self.model.forward(
                     torch.zeros(1, n, dtype=torch.long), torch.arange(n).unsqueeze(1), torch.arange(n)  # [1, n], [n, 1], [n]
                 )
@@ -43,7 +43,8 @@ class ModelRunner:
             self.registry.uninstall(WARM_UP_KEY)
 
     def run(self, batch: StepBatch) -> list[Sampled]:
-        """activate (validate, reserve) -> forward -> commit; sample the rows of the chunks that ask for it."""
+        """set_active (validate, reserve) -> forward -> commit, or abort if it raised; sample the rows of
+        the chunks that ask for it."""
         masks = [self._masks.submit(r.constraint.allowed) if r.constraint is not None else None for r in batch.rows]
         tokens = [t for c in batch.chunks for t in c.tokens]
         positions = [c.start + i for c in batch.chunks for i in range(len(c.tokens))]
@@ -52,8 +53,7 @@ class ModelRunner:
             at += len(c.tokens)
             if c.sample:
                 ends.append(at - 1)  # the last row of a chunk predicts the token after it
-        # a forward that raises gives the step's reservation back
-        step = self.registry.activate([(c.session_id, len(c.tokens)) for c in batch.chunks])
+        step = self.registry.set_active([(c.cache, len(c.tokens)) for c in batch.chunks])
         try:
             with torch.inference_mode():
                 logits = self.model.forward(

@@ -115,7 +115,7 @@ class Scheduler:
     def _chunk(self, req: Sequence, n: int) -> Chunk:
         s = req.session
         pending = s.pending
-        return Chunk(req.id, s.id, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens)
+        return Chunk(req.id, s.id, s.cache, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens)
 
     def evict_idle(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
         """Drop idle sessions' KV, least recently used first, until `need` more blocks are free -> whether they are."""

@@ -7,8 +7,8 @@
 // Op contracts:
 //   kvcache_native::bind_step(Tensor[] k_pools, Tensor[] v_pools, Tensor tables, int[] table_starts,
 //                             int[] offsets, int[] lengths, int[] sizes, int native_layers) -> ()
-//       as attend_spans takes them; layers 0..native_layers-1 then run here, in order (a step that
-//       commits itself leaves its last layer to the Python path)
+//       as attend_spans takes them; layers 0..native_layers-1 then run here, in order (the step
+//       binds all of its layers; any later ones would go to the Python path)
 //   kvcache_native::unbind_step() -> (): this thread holds no step
 //   kvcache_native::bound_next_layer() -> int: the layer the bound step expects next (the layer count
 //       once the forward is done), or -1 if this thread holds none

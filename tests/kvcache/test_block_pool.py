@@ -101,7 +101,7 @@ def test_reference_counts_return_to_zero_after_many_aborted_steps():
         fill(registry, key, torch.randn(1, n, 32))
         cache.publish([rng.randint(0, 3) for _ in range(n)])  # few distinct prefixes: many hits
         sibling = registry.install(key + "f", cache.fork()) if rng.random() < 0.5 else None
-        step = registry.activate([(key, rng.randint(1, 20))])  # reserved, then aborted: as a failed forward
+        step = registry.set_active([(key, rng.randint(1, 20))])  # reserved, then aborted: as a failed forward
         step.abort()
         registry.set_active(None)
         assert cache.length == n
@@ -139,7 +139,7 @@ def test_two_registries_on_two_threads_never_read_each_others_step():
             outs = []
             for i in range(24):  # one token a step, each step activated, run and committed in turn
                 barrier.wait()
-                step = registry.activate([(name, 1)])
+                step = registry.set_active([(name, 1)])
                 outs.append(MODEL(x[:, i : i + 1], positions(i, 1)))
                 step.commit()
                 registry.set_active(None)

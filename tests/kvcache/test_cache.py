@@ -45,9 +45,10 @@ def export(model, tokens=4):
 def run_chunks(fwd, key, x, chunks):
     """Feed x [1, T, dim] through fwd in chunks of the given sizes; return [1, T, dim]."""
     outs, at = [], 0
-    REGISTRY.set_active(key)
+    step = REGISTRY.set_active(key)
     for n in chunks:
         outs.append(fwd(x[:, at : at + n], positions(at, n)))
+        step.commit()
         at += n
     return torch.cat(outs, dim=1)
 
@@ -94,8 +95,9 @@ def test_three_sessions_in_one_forward_match_solo_runs(model, install, sizing):
     spans = [("a", 4), ("b", 1), ("c", 2)]
     xs = torch.cat([hist[k][:, before[k] :] for k, _ in spans], dim=1)
     pos = torch.cat([positions(before[k], n) for k, n in spans])
-    REGISTRY.set_active(spans)
+    step = REGISTRY.set_active(spans)
     out = fwd(xs, pos)
+    step.commit()
     at = 0
     for key, n in spans:
         solo = model.reference(hist[key])[:, before[key] :]
@@ -209,11 +211,12 @@ def test_dynamic_grows_block_by_block_within_capacity(model, install):
     cache = install("d", model.cache_config(100, Sizing.DYNAMIC))
     per_token, block = cache.config.bytes_per_token(), cache.block_size
     assert cache.nbytes == 0
-    REGISTRY.set_active("d")
+    step = REGISTRY.set_active("d")
     x = torch.randn(1, 100, 32)
     allocations = []
     for i in range(100):
         model(x[:, i : i + 1], positions(i, 1))
+        step.commit()
         if not allocations or allocations[-1] != cache.allocated:
             allocations.append(cache.allocated)
         assert cache.nbytes == cache.allocated * per_token
@@ -254,9 +257,11 @@ def test_saved_program_runs_in_fresh_process_with_any_cache(tmp_path):
             for sizing in Sizing:
                 key = f"{{cap}}-{{sizing.value}}"
                 REGISTRY.install(key, SessionCache(CacheConfig(3, 2, 8, cap, sizing=sizing)))
-                REGISTRY.set_active(key)
+                step = REGISTRY.set_active(key)
                 a = fwd(data["x"][:, :5], torch.arange(5).unsqueeze(1))
+                step.commit()
                 b = fwd(data["x"][:, 5:], torch.arange(5, 7).unsqueeze(1))
+                step.commit()
                 torch.testing.assert_close(torch.cat([a, b], 1), data["ref"], atol=1e-4, rtol=0)
                 assert REGISTRY.get(key).length == 7
         print("ok")

@@ -101,12 +101,13 @@ def test_bound_step_runs_every_layer_natively_matches_sdpa_and_refuses_out_of_tu
     position = torch.tensor([[7], [3], [4]])
     reference = ActiveStep(list(zip(exact, sizes)), native=False)
     want = [reference.attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32) for i in range(BOUND_LAYERS)]
+    reference.commit()
     keys = [f"bound-test-{i}" for i in range(len(served))]
     for key, cache in zip(keys, served):
         REGISTRY.install(key, cache)
     try:
         # out of turn: layer 2 straight after layer 0 is refused, and aborting leaves every cache as it was
-        step = REGISTRY.activate(list(zip(keys, sizes)))
+        step = REGISTRY.set_active(list(zip(keys, sizes)))
         torch.ops.kvcache.update_and_attend(q[0], k[0], v[0], position, 0, DIM**-0.5, torch.float32)
         with pytest.raises(CacheError, match="out of turn"):
             torch.ops.kvcache.update_and_attend(q[2], k[2], v[2], position, 2, DIM**-0.5, torch.float32)
@@ -116,7 +117,7 @@ def test_bound_step_runs_every_layer_natively_matches_sdpa_and_refuses_out_of_tu
         assert [c.length for c in served] == histories
         assert [len(c.table) for c in served] == [1, 1]
 
-        step = REGISTRY.activate(list(zip(keys, sizes)))
+        step = REGISTRY.set_active(list(zip(keys, sizes)))
         with torch.profiler.profile() as prof:
             got = [torch.ops.kvcache.update_and_attend(q[i], k[i], v[i], position, i, DIM**-0.5, torch.float32)
                    for i in range(BOUND_LAYERS)]

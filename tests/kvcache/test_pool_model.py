@@ -103,7 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
         chunks = [data.draw(st.lists(VOCAB, min_size=n, max_size=n)) for _, n in spans]
         before = self._snapshot()
         try:
-            step = ActiveStep(spans, native=False, auto_commit=False)
+            step = ActiveStep(spans, native=False)
         except (CacheFull, PoolExhausted):
             assert self._snapshot() == before, "a refused step changed a cache"
             return

@@ -37,15 +37,17 @@ def greedy_batch(model, prompts, n_tokens):
     with torch.inference_mode():
         for key, p in zip(keys, ids):
             REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, 256)))
-            REGISTRY.set_active(key)
-            last.append(int(model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]))[0].argmax()))
+            with REGISTRY.active(key):
+                last.append(int(model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]))[0].argmax()))
         outs = [[t] for t in last]
-        REGISTRY.set_active([(k, 1) for k in keys])
-        for step in range(n_tokens - 1):
-            pos = torch.tensor([[len(p) + step] for p in ids])
+        step = REGISTRY.set_active([(k, 1) for k in keys])
+        for i in range(n_tokens - 1):
+            pos = torch.tensor([[len(p) + i] for p in ids])
             logits = model.forward(torch.tensor([[o[-1] for o in outs]]), pos, torch.arange(len(keys)))
+            step.commit()
             for o, t in zip(outs, logits.argmax(-1).tolist()):
                 o.append(t)
+        REGISTRY.set_active(None)
     for k in keys:
         REGISTRY.uninstall(k)
     return outs
@@ -55,8 +57,7 @@ def perplexity(model, text):
     ids = model.tokenizer.encode(text)
     key = f"ppl-{model.weights}"
     REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, len(ids))))
-    REGISTRY.set_active(key)
-    with torch.inference_mode():
+    with REGISTRY.active(key), torch.inference_mode():
         logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1))
     REGISTRY.uninstall(key)
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))

@@ -91,10 +91,11 @@ def test_native_block_matches_the_block_it_replaces(qkv_bias, rows):
     for name, module in (("block", block), ("native", native)):
         key = f"native-block-{name}"
         REGISTRY.install(key, SessionCache(CacheConfig(1, 2, 32, capacity=16)))
-        REGISTRY.set_active(key)
         with torch.no_grad():
-            module(history, torch.arange(3).unsqueeze(1), cos[:1].expand(3, -1), sin[:1].expand(3, -1))
-            outs.append(module(x, positions, cos, sin))
+            with REGISTRY.active(key):
+                module(history, torch.arange(3).unsqueeze(1), cos[:1].expand(3, -1), sin[:1].expand(3, -1))
+            with REGISTRY.active(key):
+                outs.append(module(x, positions, cos, sin))
         REGISTRY.uninstall(key)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 

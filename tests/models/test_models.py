@@ -27,11 +27,19 @@ class Session:
         REGISTRY.install(self.key, SessionCache(CacheConfig(config.n_layers, config.n_kv_heads, config.head_dim, capacity, sizing=sizing)))
 
     def __enter__(self):
-        REGISTRY.set_active(self.key)
+        self.step = REGISTRY.set_active(self.key)
         return self
 
     def __exit__(self, *exc):
         REGISTRY.uninstall(self.key)
+
+    def committing(self, forward):
+        """`forward`, each call of which extends this session's cache (committed once it has run)."""
+        def run(*args):
+            out = forward(*args)
+            self.step.commit()
+            return out
+        return run
 
 
 def run_prompt(forward, config, ids, chunks=None, all_logits=False):
@@ -46,7 +54,8 @@ def run_prompt(forward, config, ids, chunks=None, all_logits=False):
 
 
 def greedy(forward, config, ids, n, chunks=None, capacity=256):
-    with Session(config, capacity), torch.no_grad():
+    with Session(config, capacity) as session, torch.no_grad():
+        forward = session.committing(forward)
         logits = run_prompt(forward, config, ids, chunks)
         out = []
         for i in range(n):
@@ -74,8 +83,8 @@ def test_tiny_checkpoints_match_transformers(tiny_checkpoints, smollm, kind):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     for chunks in (None, [5, 7, len(ids) - 12]):
-        with Session(config), torch.no_grad():
-            ours = run_prompt(fwd, config, ids, chunks, all_logits=True)
+        with Session(config) as session, torch.no_grad():
+            ours = run_prompt(session.committing(fwd), config, ids, chunks, all_logits=True)
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     expected = hf_greedy(hf, ids, 20)
     assert greedy(fwd, config, ids, 20) == expected
@@ -107,8 +116,8 @@ def test_smollm_gguf_matches_transformers(smollm, hf_smollm):
     ids = tok.encode(text, add_special=False)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
-    with Session(config), torch.no_grad():
-        ours = run_prompt(smollm.forward, config, ids, all_logits=True)
+    with Session(config) as session, torch.no_grad():
+        ours = run_prompt(session.committing(smollm.forward), config, ids, all_logits=True)
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
     assert greedy(smollm.forward, config, ids, 32) == hf_greedy(hf, ids, 32)
 
@@ -153,8 +162,8 @@ def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):
     assert {p.name for p in out.iterdir()} == {"program.py", "weights.safetensors", "config.json", "tokenizer.json", "tokenizer_meta.json", "kvserve.json"}
     model = load_model(str(folder), use_cache=False)
     ids = model.tokenizer.encode(PROMPT)
-    with Session(model.config), torch.no_grad():
-        ref = run_prompt(model.forward, model.config, ids, all_logits=True)
+    with Session(model.config) as session, torch.no_grad():
+        ref = run_prompt(session.committing(model.forward), model.config, ids, all_logits=True)
     torch.save({"ids": ids, "ref": ref}, tmp_path / "ref.pt")
     script = textwrap.dedent(f"""
         import torch
@@ -164,9 +173,9 @@ def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):
         d = torch.load({str(tmp_path / "ref.pt")!r})
         c = m.config
         REGISTRY.install("s", SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, 300)))
-        REGISTRY.set_active("s")
         n = len(d["ids"])
-        got = m.forward(torch.tensor([d["ids"]]), torch.arange(n).unsqueeze(1), torch.arange(n))
+        with REGISTRY.active("s"):
+            got = m.forward(torch.tensor([d["ids"]]), torch.arange(n).unsqueeze(1), torch.arange(n))
         assert torch.equal(got, d["ref"]), (got - d["ref"]).abs().max()
         print("identical")
     """)

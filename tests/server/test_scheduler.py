@@ -33,9 +33,9 @@ def submit(sched, sessions, prompt_len, max_tokens=4, session=None, capacity=64,
 
 def run_step(sched, batch, token=7):
     """What the runner does to the caches, then the sampled tokens."""
-    step = ActiveStep([(sched.by_id[c.request_id].session.cache, len(c.tokens)) for c in batch.chunks], auto_commit=False)
+    step = ActiveStep([(c.cache, len(c.tokens)) for c in batch.chunks])
     for c, start in zip(batch.chunks, step.lengths):
-        assert start == c.start
+        assert start == c.start and c.cache is sched.by_id[c.request_id].session.cache
     step._next_layer = step.n_layers  # no model: every layer "ran"
     step.commit()
     sched.postprocess(batch, [Sampled(token) for c in batch.chunks if c.sample])

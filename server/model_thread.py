@@ -19,7 +19,7 @@ TORCH_THREADS = torch.get_num_threads()
 # glibc's mallopt parameters, and the sizes up to which freed blocks stay in the heap for reuse. By
 # default glibc maps larger blocks afresh and trims the heap's free top, so each step's big tensors
 # (logits, [32, 49152] sampling temporaries) came back as new pages, faulted in one at a time:
-# temperature sampling of a full batch took several times as long as with these limits.
+# temperature sampling of a full batch was far slower than with these limits (docs/performance.md).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 KEEP_BLOCKS_BELOW = 32 << 20
 KEEP_FREE_TOP = 64 << 20

@@ -119,8 +119,8 @@ def _candidates(scaled: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tens
     top, order = scaled.topk(k, dim=-1)  # [m, k] each, sorted descending
     short = [i for i, (p, row, lt) in enumerate(zip(params, top, log_total)) if k < vocab and not _covered(p, row, lt, k)]
     if short:
-        # Only the rows whose kept tokens reach past the candidates are sorted whole (a full sort costs
-        # several times a whole step's sampling; at temperature 1 and top-p 0.95 few rows need it); the others keep
+        # Only the rows whose kept tokens reach past the candidates are sorted whole (a full sort of the
+        # vocabulary dwarfs the rest of sampling; at temperature 1 and top-p 0.95 few rows need it); the others keep
         # their candidates, with -inf after them, which their filters would have masked anyway.
         wide_top = torch.full((m, vocab), float("-inf"))
         wide_order = torch.zeros((m, vocab), dtype=torch.long)

@@ -9,8 +9,8 @@
 //       a w row holds Q8_0 blocks as arrays: nb*32 int8, then nb fp16 scales d; w = d*q.
 // Scales as arrays rather than inside each block let the kernels load and convert four at a time.
 // The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
-// was ~15% faster but flipped a third of greedy tokens even on the qkv and gate/up projections
-// alone), and each block's products are summed in int32 by madd, then scaled in f32. Below
+// was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
+// docs/performance.md), and each block's products are summed in int32 by madd, then scaled in f32. Below
 // BATCH_ROWS rows that runs here, straight off the blocks: at batch 1 reading 0.6 (Q4) or 1.06 (Q8)
 // bytes per weight instead of 4, streaming them near the read bandwidth (software prefetch), and
 // integer dot products that use few instructions per block are the levers; activation rows share

@@ -17,34 +17,42 @@ async def create_session(http: HttpRequest, body: SessionCreate | None = None) -
     # behind a load balancer that hashes X-Session-Id, the client picks the id it will route on
     chosen = body.id or http.headers.get("x-session-id")
     session = engine.create_session(body.capacity, body.sizing, generation.owner_of(http), session_id=chosen)
-    return {"object": "session", **session.info()}
+    with engine.lock:
+        return {"object": "session", **session.info()}
 
 
 @router.get("")
 async def list_sessions(http: HttpRequest) -> dict:
-    owner = generation.owner_of(http)
-    sessions = [s.info() for s in generation.engine_of(http).sessions if s.persistent and s.owner == owner]
+    owner, engine = generation.owner_of(http), generation.engine_of(http)
+    with engine.lock:  # the step loop changes sessions and their caches under it
+        sessions = [s.info() for s in engine.sessions if s.persistent and s.owner == owner]
     return {"object": "list", "data": sessions}
 
 
 @router.get("/{session_id}")
 async def get_session(session_id: str, http: HttpRequest) -> dict:
-    return {"object": "session", **generation.engine_of(http).sessions.get(session_id, generation.owner_of(http)).info()}
+    engine = generation.engine_of(http)
+    with engine.lock:
+        return {"object": "session", **engine.sessions.get(session_id, generation.owner_of(http)).info()}
 
 
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, http: HttpRequest) -> dict:
     engine = generation.engine_of(http)
-    engine.delete_session(engine.sessions.get(session_id, generation.owner_of(http)))
+    with engine.lock:
+        session = engine.sessions.get(session_id, generation.owner_of(http))
+    engine.delete_session(session)
     return {"id": session_id, "object": "session", "deleted": True}
 
 
 @router.post("/{session_id}/rewind")
 async def rewind_session(session_id: str, body: SessionRewind, http: HttpRequest) -> dict:
     engine = generation.engine_of(http)
-    session = engine.sessions.get(session_id, generation.owner_of(http))
+    with engine.lock:
+        session = engine.sessions.get(session_id, generation.owner_of(http))
     engine.rewind_session(session, body.length)
-    return {"object": "session", **session.info()}
+    with engine.lock:
+        return {"object": "session", **session.info()}
 
 
 @router.post("/{session_id}/fork")
@@ -52,6 +60,8 @@ async def fork_session(session_id: str, http: HttpRequest, body: SessionFork | N
     """A new session with this one's history; the two share KV blocks until either writes into one."""
     engine = generation.engine_of(http)
     owner = generation.owner_of(http)
-    parent = engine.sessions.get(session_id, owner)
+    with engine.lock:
+        parent = engine.sessions.get(session_id, owner)
     child = engine.fork_session(parent, owner, session_id=body.id if body is not None else None)
-    return {"object": "session", "parent": parent.id, **child.info()}
+    with engine.lock:
+        return {"object": "session", "parent": parent.id, **child.info()}

@@ -25,7 +25,8 @@ def _error_response(err: ApiError) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """Checks the API key and the body size before a request reaches any route."""
+    """Checks the API key and the body size before a request reaches any route, and reads every body as
+    JSON whatever its content type, as llama-server does: `curl -d` without a header sends a form type."""
 
     def __init__(self, app, keys: frozenset[str], max_body: int) -> None:
         self.app, self.keys, self.max_body = app, keys, max_body
@@ -44,6 +45,10 @@ class GuardMiddleware:
                 return await _error_response(Unauthorized(msg))(scope, receive, send)
             owner = token
         scope.setdefault("state", {})["owner"] = owner
+        kind = headers.get("content-type", "").split(";")[0].strip().lower()
+        if scope["method"] in ("POST", "PUT", "PATCH") and not (kind == "application/json" or kind.endswith("+json")):
+            scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
+                     + [(b"content-type", b"application/json")]}
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             err = PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import signal
 import sys
@@ -108,7 +109,7 @@ def cmd_generate(args) -> int:
         engine.start()
         session = engine.create_session(None, None, None, persistent=False)
         req = engine.submit(session, prompt, params, resend=False)
-        output = OutputStream(engine, req)
+        output = OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
         while not isinstance(event := output.render(await req.events.get()), Finished):
             sys.stdout.write(event.text if event is not None else "")
             sys.stdout.flush()
@@ -138,7 +139,6 @@ def cmd_serve(args) -> int:
              model.config.max_context, time.time() - start)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5), engine, args.shutdown_timeout)
-    log.info("listening on http://%s:%d", args.host, args.port)
     server.run()
     return 0
 
@@ -149,6 +149,10 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine, timeout: float) -> None:
         super().__init__(config)
         self.engine, self.timeout, self.draining = engine, timeout, False
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)  # exits if the port cannot be bound
+        log.info("listening on http://%s:%d", self.config.host, self.config.port)
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and not self.draining:

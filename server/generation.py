@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -73,7 +74,7 @@ def start(
 async def events(http: HttpRequest, req: Sequence, watch_disconnect: bool) -> AsyncIterator[TokenEvent | Finished]:
     """Yield the request's events, as text, until it finishes; a client that goes away cancels it."""
     engine = engine_of(http)
-    output = OutputStream(engine, req)
+    output = OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
     getter: asyncio.Task | None = None
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:

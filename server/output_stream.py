@@ -2,15 +2,16 @@
 
 The model thread emits token ids only. Like vLLM's output processor, the text is made here, in the
 handler, on the event loop: the engine's lock is never held for it. A stop string found here ends the
-request in the engine (`Engine.cut`), which drops whatever it sampled past the stop from the session.
+request through the one handle the stream is given, `end_at(kept)` (the engine's `cut`), which drops
+whatever was sampled past the stop from the session. The stream knows nothing else of the engine.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from models.detokenizer import IncrementalDetokenizer
 
-from .engine import Engine
 from .sequence import Finished, Sequence, TokenEvent
 from .stops import StopMatcher
 
@@ -18,9 +19,9 @@ from .stops import StopMatcher
 class OutputStream:
     """Renders one request's TokenEvents and Finished event into text, in order, ending at a stop string."""
 
-    def __init__(self, engine: Engine, req: Sequence) -> None:
-        self.engine, self.req = engine, req
-        self.detok = IncrementalDetokenizer(engine.tokenizer)
+    def __init__(self, tokenizer, req: Sequence, end_at: Callable[[int], None]) -> None:
+        self.req, self.end_at = req, end_at  # end_at(kept): end the request after its first `kept` tokens
+        self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopMatcher(req.params.stop)
         self.text = ""
         self.n_tokens = 0
@@ -46,7 +47,7 @@ class OutputStream:
         token = self._token(event)
         if not self.stops.stopped:
             return token
-        self.engine.cut(self.req, self.n_tokens)
+        self.end_at(self.n_tokens)
         self._finish(Finished("stop", self.req.prompt_tokens, self.n_tokens, self.req.cached_tokens), token)
         return None
 

@@ -1,6 +1,7 @@
 import asyncio
 import random
 import signal
+import socket
 import threading
 import time
 
@@ -107,13 +108,16 @@ def test_disconnect_storm_frees_everything(served_model):
         assert not engine.scheduler.has_work()
         assert set(REGISTRY.keys()) & {s.id for s in engine.sessions} == {keep}
         assert [s.id for s in engine.sessions] == [keep]
-        time.sleep(0.2)
+        deadline = time.time() + 10  # the gauges are set by the step loop's next pass
+        while time.time() < deadline and metric(server.url, "kvserve:kv_cache_usage_bytes") != baseline:
+            time.sleep(0.05)
         assert metric(server.url, "kvserve:kv_cache_usage_bytes") == baseline
         assert metric(server.url, "kvserve:num_requests_running") == 0
 
 
-def test_capacity_ends_with_length_while_others_stream(served_model):
-    with LiveServer(served_model) as server:
+def test_capacity_ends_with_length_while_others_stream(smollm):
+    # exact weights: `other` runs batched beside `capped` and is compared with its run alone
+    with LiveServer(smollm) as server:
         url = server.url
         small = httpx.post(url + "/v1/sessions", json={"capacity": 40, "sizing": "static"}).json()["id"]
         solo = tokens_of(httpx.post(url + "/generate", json=gen_body("The history of Rome", 30), timeout=120))
@@ -143,7 +147,10 @@ def test_capacity_ends_with_length_while_others_stream(served_model):
         assert r.status_code == 400 and "8192" in r.json()["error"]["message"]
 
 
-def test_eviction_keeps_outputs_identical(served_model):
+def test_eviction_keeps_outputs_identical(smollm):
+    # exact weights: an evicted history is recomputed in other shapes than it was first run in, and q4's
+    # kernels change float order with the rows in a step, so on q4 equal tokens would be luck
+    served_model = smollm
     capacity = 128
     per_token = 30 * 3 * 64 * 2 * kv_dtype("auto", served_model).itemsize  # layers x KV heads x head dim x (K, V)
     tight = EngineConfig(kv_budget=2 * capacity * per_token, session_capacity=capacity, session_sizing="static")
@@ -246,12 +253,16 @@ def test_sigterm_drains_streams_then_exits_zero(served_model):
         deadline = time.time() + 60
         while "sent" not in results and time.time() < deadline:
             time.sleep(0.02)
-        time.sleep(0.3)
-        try:
-            refused = httpx.post(url + "/generate", json=gen_body("new", 2), timeout=10).status_code
-        except httpx.ConnectError:
-            refused = "refused"
-        assert refused in (503, "refused")
+        def status(method, path, **kw):
+            try:
+                return httpx.request(method, url + path, timeout=10, **kw).status_code
+            except httpx.ConnectError:
+                return "refused"
+
+        deadline = time.time() + 10  # the signal handler runs on the server's loop: wait until it has
+        while time.time() < deadline and status("GET", "/health") == 200:
+            time.sleep(0.02)
+        assert status("POST", "/generate", json=gen_body("new", 2)) in (503, "refused")
         for t in threads:
             t.join(timeout=120)
         for i in range(4):
@@ -261,3 +272,13 @@ def test_sigterm_drains_streams_then_exits_zero(served_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_port_in_use_exits_with_an_error_and_never_says_listening(tiny_checkpoints):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        proc = start_cli_server(["--model", str(tiny_checkpoints["llama"])], held.getsockname()[1])
+        out, _ = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "address already in use" in out.lower() and "listening" not in out, out[-2000:]

@@ -1,4 +1,5 @@
 import asyncio
+import functools
 import json
 import subprocess
 import sys
@@ -238,7 +239,7 @@ def test_a_stop_seen_after_the_engine_ended_still_cuts_the_session(fast_server):
     while req.events.qsize() < 8 and time.monotonic() < deadline:  # 7 tokens, then the end with the 8th: all handed over
         time.sleep(0.01)
     assert req.finished is not None and req.finished.reason == "length" and session.busy is None
-    output = OutputStream(engine, req)
+    output = OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
     rendered = [output.render(req.events.get_nowait()) for _ in range(8)]
     end = next(e for e in rendered if isinstance(e, Finished))
     assert (end.reason, end.completion_tokens, end.output) == ("stop", k, "".join(pieces[: k - 1]))
@@ -332,3 +333,13 @@ def test_an_eos_token_finishes_as_eos_token_on_tgi_and_stop_on_openai(fast_serve
         {"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}], "max_tokens": 64, "temperature": 0},
         timeout=60).json()
     assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["completion_tokens"] < 64
+
+
+def test_a_json_body_is_read_whatever_its_content_type(fast_server):
+    # as llama-server does: `curl -d` without a header sends application/x-www-form-urlencoded
+    body = json.dumps({"inputs": "Hello", "parameters": {"max_new_tokens": 2}})
+    for kind in (None, "application/x-www-form-urlencoded", "text/plain"):
+        r = httpx.post(fast_server.url + "/generate", content=body, headers={"content-type": kind} if kind else {})
+        assert r.status_code == 200 and "generated_text" in r.json(), (kind, r.text)
+    r = httpx.post(fast_server.url + "/generate", content="inputs=Hello", headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]

@@ -17,6 +17,8 @@ import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
 from torch.export import Dim
 
+from . import trust
+from .catalog import sha256_of
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .fused import use_native_modules
@@ -24,7 +26,7 @@ from .llama import Transformer
 from .quant import WEIGHT_MODES, convert_linears, model_kernels_available
 from .tokenizer import TextTokenizer
 
-ARTIFACT_FORMAT = 3
+ARTIFACT_FORMAT = 4  # 4: kvserve.json records the SHA-256 of the program and the weights
 # The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
 # Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
 # far longer than the forward it describes; fx's source is readable, and runs as it was exported.
@@ -149,12 +151,14 @@ def save_artifact(
     tokenizer.save(tmp)
     # the source flattens its inputs and builds its output through these two pytree specs
     specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
+    hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
     meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
-            "aliases": aliases, **specs}
+            "aliases": aliases, "sha256": hashes, **specs}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
+    trust.trust(hashes[PROGRAM_FILE])
 
 
 def _program(folder: Path, meta: dict) -> torch.nn.Module:
@@ -174,11 +178,15 @@ def is_artifact(folder: Path) -> bool:
     return (Path(folder) / PROGRAM_FILE).is_file() and (Path(folder) / "kvserve.json").is_file()
 
 
-def load_artifact(folder: Path) -> LoadedModel:
+def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
+    """Load an artifact folder; its program runs only if kvserve exported it here, unchanged, or if the
+    caller trusts the folder (`trusted`, the CLI's --trust-artifact)."""
     folder = Path(folder)
     meta = json.loads((folder / "kvserve.json").read_text())
     if meta.get("format") != ARTIFACT_FORMAT:
         raise ModelLoadError(f"{folder}: artifact format {meta.get('format')} is not {ARTIFACT_FORMAT}; export again")
+    if not trusted:
+        trust.check(folder, meta.get("sha256", {}), (PROGRAM_FILE, WEIGHTS_FILE))
     # The program may call kvserve_native ops (q4 always does), which must exist before it is read.
     kernels = meta.get("weights", "f32") != "f32" and model_kernels_available()
     if meta.get("weights") == "q4" and not kernels:

@@ -71,18 +71,23 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
     return h.hexdigest()[:24]
 
 
-def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32") -> LoadedModel:
-    """Load an artifact as is; export a checkpoint once and keep the artifact in the cache folder."""
+def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32",
+               trust_artifact: bool = False) -> LoadedModel:
+    """Load an artifact as is (its program only if kvserve exported it, or `trust_artifact`); export a
+    checkpoint once and keep the artifact in the cache folder."""
     weights = resolve_weights(weights)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = resolve(spec)
     if path.is_dir() and is_artifact(path):
-        return load_artifact(path)
+        return load_artifact(path, trusted=trust_artifact)
     torch_dtype = DTYPES[dtype]
     cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights)
     if use_cache and is_artifact(cached):
-        return load_artifact(cached)
+        try:
+            return load_artifact(cached)
+        except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
+            print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()
     program, config, tokenizer = export_checkpoint(path, torch_dtype, progress, weights)
     if use_cache:

@@ -28,6 +28,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=["auto", *WEIGHT_MODES],
                    help="auto: q4 where the AVX2 kernels build, else f16; f32: exact; f16: fp16 weights; q4: Q4_1 blocks (a Q4_1 GGUF's own, so lossless there) "
                         "with AVX2 integer kernels (fastest)")
+    p.add_argument("--trust-artifact", action="store_true",
+                   help="run an artifact folder's program.py although kvserve did not export it here (it is code)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -97,7 +99,8 @@ def cmd_generate(args) -> int:
     from .sequence import Finished
 
     worker = model_thread()
-    model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights).result()
+    model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
+                          trust_artifact=args.trust_artifact).result()
     tok = model.tokenizer
     chat = not args.raw and tok.meta.chat_template is not None
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special=False) if chat else tok.encode(args.prompt)
@@ -130,7 +133,8 @@ def cmd_serve(args) -> int:
 
     start = time.time()
     worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own
-    model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights).result()
+    model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
+                          trust_artifact=args.trust_artifact).result()
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)

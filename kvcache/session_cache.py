@@ -169,7 +169,7 @@ class SessionCache:
         b, done = self.pool.block_size, len(self._hashes)
         for i in range(done, blocks_for(self._length, b)):
             if not self.pool.indexed(self.table[i]):  # (one kept through a rewind holds these ids already)
-                self.pool.record(self.table[i], 0, tokens[i * b : min((i + 1) * b, self._length)])
+                self.pool.record(self.table[i], tokens[i * b : min((i + 1) * b, self._length)])
         fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else b"")
         for block, digest in zip(self.table[done:], fresh):
             self.pool.publish(block, digest)

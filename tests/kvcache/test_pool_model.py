@@ -229,7 +229,7 @@ def test_a_hit_whose_ids_differ_from_the_request_is_refused_and_recomputed():
     first.reserve(len(tokens))
     first.commit(len(tokens))
     first.publish(tokens)
-    pool.record(first.table[1], 0, [0, 0, 0, 0])  # as a bug would leave it: the index names other content
+    pool.record(first.table[1], [0, 0, 0, 0])  # as a bug would leave it: the index names other content
     first.release()
     other = SessionCache(layout(), pool)
     assert other.attach_prefix(tokens) == B  # the first block is shared, the second recomputed

@@ -5,7 +5,9 @@
     q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
          multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
          (int16 activations): below 4 rows straight off the blocks, from 4 rows on as a GEMM on
-         weights unpacked once, on first use, into panels of one byte a weight
+         the same weights unpacked, when the model is built or loaded, into panels of one byte a weight
+Everything a weight mode derives from a weight (fbgemm's packing, the panels) is held by the model,
+so it is freed with the model: two engines in one process each hold their own.
 Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and
 Q8_0 weights requantize to the same blocks, so q4 on such a file loses nothing over f32. (A q8 mode
 was measured and dropped: requantizing Q4_1 weights to Q8_0 rounds them again, and it flipped 40% of
@@ -23,24 +25,34 @@ from torch import nn
 
 from kvcache.native import NativeUnavailable, load_native
 
-from .block_quant import BLOCK, quantize_q4, quantize_q8
+from .block_quant import BLOCK, BYTES_PER_BLOCK, quantize_q4, quantize_q8
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "int_gemm.cpp", "fused.cpp", "block.cpp")]
 
-# fbgemm packs each weight once; packing is a pure function of the weight, so this is a memo that
-# nobody reads back as state: keyed by the weight's storage, alive as long as the process. Each entry
-# holds its weight, so a freed weight's address cannot be reused by another while the memo knows it.
-_PACKED: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, object]] = {}
+# A q4/q8 weight buffer X has its batched-path panels in the buffer X + PANELS. They are a function of
+# X, so an artifact stores X alone and loading makes the panels again.
+PANELS = "_panels"
+
+
+def pack_panels(packed: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Q4_1/Q8_0 rows [N, K/32 * block bytes] -> the panels kvserve_native::linear_q4/q8 multiply from 4 rows on."""
+    return getattr(torch.ops.kvserve_native, f"pack_panels_{fmt}")(packed)
+
+
+def panel_format(packed: torch.Tensor, panels: torch.Tensor) -> str:
+    """Which block format a weight with these panels holds (panels are [P, K/32, bytes])."""
+    return next(fmt for fmt, size in BYTES_PER_BLOCK.items() if packed.shape[1] == size * panels.shape[1])
 
 
 def _packed(weight: torch.Tensor):
-    key = (weight.data_ptr(), tuple(weight.shape))
-    entry = _PACKED.get(key)
-    if entry is None:
-        entry = _PACKED[key] = (weight, torch.ops.quantized.linear_prepack_fp16(weight.float(), None))
-    return entry[1]
+    # fbgemm packs each weight once. The packing rides on the weight tensor itself (the same Python
+    # object reaches the op on every call), so it lives exactly as long as the model holding the weight.
+    packed = getattr(weight, "_fbgemm_fp16", None)
+    if packed is None:
+        packed = weight._fbgemm_fp16 = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+    return packed
 
 
 @torch.library.custom_op("kvserve::linear_f16", mutates_args=())
@@ -92,11 +104,12 @@ class LinearBlocks(nn.Module):
         self.fmt = fmt
         quantize = quantize_q4 if fmt == "q4" else quantize_q8
         self.register_buffer("packed", quantize(linear.weight.detach()))  # [N, K/32 * block bytes] uint8
+        self.register_buffer("packed" + PANELS, pack_panels(self.packed, fmt))  # [P, K/32, panel block] uint8
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = torch.ops.kvserve_native.linear_q4 if self.fmt == "q4" else torch.ops.kvserve_native.linear_q8
-        out = op(x, self.packed)  # [..., N]
+        out = op(x, self.packed, self.packed_panels)  # [..., N]
         return out if self.bias is None else out + self.bias
 
 

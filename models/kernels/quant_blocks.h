@@ -28,8 +28,13 @@ struct QuantizedRows {
   const float *d, *s;  // [M, K/32] each
 };
 
-// out [M, N] = xq [M, K] by w [N, K/32 * block bytes]: int16 by integer weights, scaled per block
-// (int_gemm.cpp), on weights unpacked into panels on first use.
-void int_linear(const QuantizedRows& xq, int64_t M, int64_t K, const at::Tensor& w, Blocks blocks, float* out);
+// The batched path's weights (int_gemm.cpp): w [N, K/32 * block bytes] unpacked to a byte a weight, in
+// panels of 8 output features, made once per weight by its owner and passed to every int_linear.
+at::Tensor pack_panels(const at::Tensor& w, Blocks blocks);
+void check_panels(const at::Tensor& panels, int64_t N, int64_t K);
+
+// out [M, N] = xq [M, K] by the N-feature weight whose pack_panels these are.
+void int_linear(const QuantizedRows& xq, int64_t M, int64_t K, int64_t N, const at::Tensor& panels, Blocks blocks,
+                float* out);
 
 }  // namespace kvserve_quant

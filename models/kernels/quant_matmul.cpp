@@ -1,12 +1,14 @@
 // Weight-only quantized linear layers for AVX2 CPUs, in llama.cpp's block formats.
 //
 // Op contracts (registered as kvserve_native::*):
-//   linear_q4(x [..., K] f32, w [N, K/32*20] u8) -> [..., N] f32
+//   linear_q4(x [..., K] f32, w [N, K/32*20] u8, panels = pack_panels_q4(w)) -> [..., N] f32
 //       a w row holds llama.cpp's Q4_1 blocks of 32 weights, stored as arrays: nb*16 bytes of nibbles
 //       (byte j of a block holds weight j in its low nibble and j+16 in its high one), then nb fp16
 //       scales d, then nb fp16 mins m; w = d*q + m.
-//   linear_q8(x [..., K] f32, w [N, K/32*34] u8) -> [..., N] f32
+//   linear_q8(x [..., K] f32, w [N, K/32*34] u8, panels = pack_panels_q8(w)) -> [..., N] f32
 //       a w row holds Q8_0 blocks as arrays: nb*32 int8, then nb fp16 scales d; w = d*q.
+//   pack_panels_q4(w) / pack_panels_q8(w) -> the same weights unpacked for the batched path (int_gemm.cpp);
+//       the model makes them once and owns them, as it owns w.
 // Scales as arrays rather than inside each block let the kernels load and convert four at a time.
 // The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
 // was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
@@ -215,7 +217,7 @@ void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
   });
 }
 
-at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const Format& f) {
+at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const at::Tensor& panels, const Format& f) {
   TORCH_CHECK(x_in.dim() >= 1, "x must be [..., K]");
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kByte, "w must be [N, K/32 * block bytes] uint8");
   // aten::to is a dispatcher call even when it has nothing to do; 4 per layer add up at batch 1
@@ -224,23 +226,26 @@ at::Tensor linear_blocks(const at::Tensor& x_in, const at::Tensor& w_in, const F
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0), nb = K / QK;
   TORCH_CHECK(K % QK == 0 && w.size(1) == nb * f.block_bytes, "w holds ", w.size(1), " bytes per row; K=", K,
               " needs ", nb * f.block_bytes);
+  kvserve_quant::check_panels(panels, N, K);
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = N;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out.view(shape);
   if (M >= BATCH_ROWS) {  // compute bound: the same products, as a GEMM on weights unpacked into panels
-    kvserve_quant::int_linear(quantize_rows(x), M, K, w, f.blocks, out.data_ptr<float>());
+    kvserve_quant::int_linear(quantize_rows(x), M, K, N, panels, f.blocks, out.data_ptr<float>());
     return out.view(shape);
   }
   small_batch(x, w.data_ptr<uint8_t>(), N, f, out.data_ptr<float>());
   return out.view(shape);
 }
 
-at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w) { return linear_blocks(x, w, Q4); }
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w) { return linear_blocks(x, w, Q8); }
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& p) { return linear_blocks(x, w, p, Q4); }
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& p) { return linear_blocks(x, w, p, Q8); }
+at::Tensor pack_panels_q4(const at::Tensor& w) { return kvserve_quant::pack_panels(w, Blocks::Q4_1); }
+at::Tensor pack_panels_q8(const at::Tensor& w) { return kvserve_quant::pack_panels(w, Blocks::Q8_0); }
 
 // Shapes only, for tracing and export (symbolic M).
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
+at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w, const at::Tensor&) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
   shape.back() = w.sym_size(0);
   return at::empty_symint(shape, x.options().dtype(at::kFloat));
@@ -249,13 +254,17 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor& w) {
 }  // namespace
 
 TORCH_LIBRARY(kvserve_native, m) {
-  m.def("linear_q4(Tensor x, Tensor w) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor w, Tensor panels) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor w, Tensor panels) -> Tensor");
+  m.def("pack_panels_q4(Tensor w) -> Tensor");
+  m.def("pack_panels_q8(Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
   m.impl("linear_q4", &linear_q4);
   m.impl("linear_q8", &linear_q8);
+  m.impl("pack_panels_q4", &pack_panels_q4);
+  m.impl("pack_panels_q8", &pack_panels_q8);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) {

@@ -52,7 +52,7 @@ def test_block_linear_rows_do_not_depend_on_the_batch(fmt):
 def test_block_linear_rejects_mismatched_weights():
     w = quantize_q4(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="bytes per row"):
-        torch.ops.kvserve_native.linear_q4(torch.randn(2, 96), w)
+        torch.ops.kvserve_native.linear_q4(torch.randn(2, 96), w, torch.ops.kvserve_native.pack_panels_q4(w))
 
 
 def test_fused_modules_match_the_model_math():

@@ -13,7 +13,7 @@ from . import generation, tools
 from .constraints import Grammars
 from .errors import InvalidRequest
 from .sampling import SamplingParams
-from .schemas import ERROR_RESPONSES, MAX_TOKENS_LIMIT, ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from .sequence import Finished, Sequence, TokenEvent
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
@@ -21,7 +21,7 @@ router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "length", "error": "error"}
 
 
-def openai_params(body: _OpenAISampling, max_tokens: int, logprobs: int | None, vocab: int,
+def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
                   grammar: str | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
@@ -93,13 +93,12 @@ def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_toke
     generation.check_model(http, body.model)
     engine = generation.engine_of(http)
     grammar = _output_grammar(engine.grammars, body, tool_functions)
-    params = openai_params(body, max_tokens if max_tokens is not None else MAX_TOKENS_LIMIT, logprobs,
-                           engine.model.config.vocab_size, grammar)
+    params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar)
     if len(params.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
     return generation.start(
         http, generation.session_id_of(http, body.session_id), prompt, params,
-        resend=True, max_tokens_given=max_tokens is not None, n=body.n,
+        resend=True, n=body.n,
     )
 
 

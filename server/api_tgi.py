@@ -29,11 +29,11 @@ def tgi_grammar(grammars: Grammars, p: GenerateParameters) -> str | None:
     return grammars.check(grammars.json_schema(g.value, "parameters.grammar.value"), "parameters.grammar")
 
 
-def tgi_params(p: GenerateParameters, default_max: int, grammar: str | None = None) -> SamplingParams:
+def tgi_params(p: GenerateParameters, grammar: str | None = None) -> SamplingParams:
     sampling = p.do_sample or any(v is not None for v in (p.temperature, p.top_k, p.top_p))
     temperature = 0.0 if not sampling else (p.temperature if p.temperature is not None else 1.0)
     return SamplingParams(
-        max_tokens=p.max_new_tokens if p.max_new_tokens is not None else default_max,
+        max_tokens=p.max_new_tokens,
         temperature=temperature,
         top_k=p.top_k or 0,
         top_p=p.top_p if p.top_p is not None else 1.0,
@@ -52,7 +52,7 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
     engine = generation.engine_of(http)
     if len(body.parameters.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="parameters.stop")
-    params = tgi_params(body.parameters, engine.config.default_max_tokens, tgi_grammar(engine.grammars, body.parameters))
+    params = tgi_params(body.parameters, tgi_grammar(engine.grammars, body.parameters))
     prompt = engine.tokenizer.encode(body.inputs)
     if body.parameters.truncate is not None:
         prompt = prompt[-body.parameters.truncate :]
@@ -62,7 +62,6 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
         prompt,
         params,
         resend=False,
-        max_tokens_given=body.parameters.max_new_tokens is not None,
     )[0]
 
 

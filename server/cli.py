@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import logging
 import signal
 import sys
@@ -43,6 +42,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
                    help="KV cache element type; auto: float16 with f16/q4 weights (half the memory and reads), else the model's dtype")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="cap on the reply of a request that names no max_tokens (default: what fits in its session)")
 
 
 def _engine_config(args) -> EngineConfig:
@@ -55,6 +56,7 @@ def _engine_config(args) -> EngineConfig:
         max_running=args.max_running,
         max_queued=args.max_queued,
         kv_dtype=args.kv_dtype,
+        default_max_tokens=args.default_max_tokens,
     )
 
 
@@ -94,7 +96,7 @@ def cmd_generate(args) -> int:
 
     from .engine import Engine
     from .model_thread import model_thread
-    from .output_stream import OutputStream
+    from .generation import output_stream
     from .sampling import SamplingParams
     from .sequence import Finished
 
@@ -112,7 +114,7 @@ def cmd_generate(args) -> int:
         engine.start()
         session = engine.create_session(None, None, None, persistent=False)
         req = engine.submit(session, prompt, params, resend=False)
-        output = OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
+        output = output_stream(engine, req)
         while not isinstance(event := output.render(await req.events.get()), Finished):
             sys.stdout.write(event.text if event is not None else "")
             sys.stdout.flush()

@@ -34,7 +34,7 @@ class EngineConfig:
     max_batch_tokens: int = 128  # tokens a step: decodes first, then prefill chunks (docs/performance.md has the choice)
     max_running: int = 64  # sessions per step
     max_queued: int = 256  # requests waiting for a running slot
-    default_max_tokens: int = 256  # when a request names none
+    default_max_tokens: int | None = None  # a cap for requests that name none; None: the session's room
     max_stop_strings: int = 16
     max_prompt_tokens: int = 32768
     max_sessions: int = 4096  # persistent sessions, resident or evicted

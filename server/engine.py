@@ -27,7 +27,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .session import Session, SessionStore, common_prefix
+from .session import Session, SessionStore, Turn
 
 log = logging.getLogger("kvserve.engine")
 
@@ -140,8 +140,7 @@ class Engine:
             self.sessions.rewind(session, length)
 
     # ---- requests --------------------------------------------------------------------------
-    def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-               max_tokens_given: bool = True) -> Sequence:
+    def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool) -> Sequence:
         """Validate and enqueue; nothing about the session changes unless the request is accepted.
 
         resend=True: `prompt` is the whole conversation (OpenAI clients); the session keeps the
@@ -149,12 +148,12 @@ class Engine:
         the session's history."""
         constraint = self.grammars.matcher(params.grammar)
         with self.lock:
-            req = self._submit(session, prompt, params, resend, max_tokens_given, constraint)
+            req = self._submit(session, prompt, params, resend, constraint)
         self._wake.set()
         return req
 
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-                max_tokens_given: bool, constraint: Constraint | None) -> Sequence:
+                constraint: Constraint | None) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -162,39 +161,39 @@ class Engine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
-        keep = common_prefix(session.tokens, prompt) if resend else len(session.tokens)
-        new = prompt[keep:] if resend else prompt
-        total = keep + len(new)
-        if total == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if len(new) > self.config.max_prompt_tokens:
-            raise InvalidRequest(f"prompt of {len(new)} tokens exceeds the limit of {self.config.max_prompt_tokens}", param="prompt")
-        room = session.capacity - total
-        if not max_tokens_given:
-            params = dataclasses.replace(params, max_tokens=min(params.max_tokens, max(room, 1)))
-        if total + params.max_tokens > session.capacity:
-            raise InvalidRequest(
-                f"prompt of {total} tokens plus max_tokens {params.max_tokens} exceeds the session capacity of "
-                f"{session.capacity} tokens (context {self.max_context})",
-                param="max_tokens",
-            )
-        need = self.pool.full_bytes(session.capacity if session.sizing is Sizing.STATIC else total + params.max_tokens)
-        if need > self.pool.budget:
-            raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
+        turn = session.resend(prompt) if resend else session.continue_with(prompt)
+        params = self._check(session, turn, params)
         self.scheduler.check_room()  # a 429 must come before anything about the session changes
-        req = Sequence(session, params, prompt_tokens=len(prompt) if resend else len(new),
-                      history_before=list(session.tokens), kept=keep, sink=self._post, constraint=constraint)
-        session.truncate(keep)
-        session.tokens.extend(new)
-        if not session.pending and params.max_tokens > 0 and session.cache is not None:
-            session.cache.rewind(1)  # recompute the last token to get the logits that follow it
+        req = Sequence(session, params, prompt_tokens=turn.prompt_tokens, history_before=list(session.tokens),
+                       kept=turn.kept, sink=self._post, constraint=constraint)
+        session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
         self.scheduler.add(req)
         self._update_gauges()
         return req
 
-    def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
-                       max_tokens_given: bool) -> list[Sequence]:
+    def _check(self, session: Session, turn: Turn, params: SamplingParams) -> SamplingParams:
+        """Whether the turn and its reply fit the session and the KV budget -> params with max_tokens resolved:
+        a request that names none gets what room its session has left (up to --default-max-tokens)."""
+        if turn.length == 0:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        if len(turn.new) > self.config.max_prompt_tokens:
+            raise InvalidRequest(f"prompt of {len(turn.new)} tokens exceeds the limit of {self.config.max_prompt_tokens}", param="prompt")
+        if params.max_tokens is None:
+            room = max(session.capacity - turn.length, 1)
+            params = dataclasses.replace(params, max_tokens=min(room, self.config.default_max_tokens or room))
+        if turn.length + params.max_tokens > session.capacity:
+            raise InvalidRequest(
+                f"prompt of {turn.length} tokens plus max_tokens {params.max_tokens} exceeds the session capacity of "
+                f"{session.capacity} tokens (context {self.max_context})",
+                param="max_tokens",
+            )
+        need = self.pool.full_bytes(session.capacity if session.sizing is Sizing.STATIC else turn.length + params.max_tokens)
+        if need > self.pool.budget:
+            raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
+        return params
+
+    def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None) -> list[Sequence]:
         """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
         others fork its KV once that is cached (kept out of the queue's way until then)."""
         sessions = [self.create_session(self.max_context, "dynamic", owner, persistent=False) for _ in params]
@@ -204,7 +203,7 @@ class Engine:
             with self.lock:
                 self.scheduler.check_room(len(params))
                 for session, p, constraint in zip(sessions, params, constraints):
-                    req = self._submit(session, prompt, p, True, max_tokens_given, constraint)
+                    req = self._submit(session, prompt, p, True, constraint)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
         except Exception:
@@ -222,16 +221,12 @@ class Engine:
             self._wake.set()
 
     def cut(self, req: Sequence, kept: int) -> None:
-        """The request's output stream found a stop string in its first `kept` tokens: end it there.
-
-        The model thread may have sampled a token or two past it meanwhile, or even ended the request; the
+        """The handle a request's output stream is given: it found a stop string after `kept` tokens. The
+        model thread may have sampled a token or two past it meanwhile, or even ended the request; the
         session keeps only the history up to the stop either way."""
         with self.lock:
-            if req.finished is None:
-                req.stop_at = kept  # cut at the next step, when no step is writing its KV
-                self._wake.set()
-                return
-            req.trim_after_end(kept)
+            self.scheduler.stop(req, kept)
+        self._wake.set()
 
     # ---- the step loop (model thread) ------------------------------------------------------
     def _step_loop(self) -> None:

@@ -45,7 +45,6 @@ def start(
     params: SamplingParams,
     *,
     resend: bool,
-    max_tokens_given: bool,
     n: int = 1,
 ) -> list[Sequence]:
     """Submit to the engine, on the named session or on a temporary one removed when done; n > 1 runs
@@ -58,23 +57,28 @@ def start(
         # choice i draws from seed + i: each choice is reproducible, and the choices differ
         choices = [params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
                    for i in range(n)]
-        return engine.submit_choices(prompt, choices, owner, max_tokens_given)
+        return engine.submit_choices(prompt, choices, owner)
     if session_id is not None:
         session, temporary = engine.sessions.get(session_id, owner), False
     else:  # a temporary session is sized to its request: a dynamic one, bounded by the context (--max-model-len)
         session, temporary = engine.create_session(engine.max_context, "dynamic", owner, persistent=False), True
     try:
-        return [engine.submit(session, prompt, params, resend, max_tokens_given)]
+        return [engine.submit(session, prompt, params, resend)]
     except Exception:
         if temporary:
             engine.delete_session(session)
         raise
 
 
+def output_stream(engine: Engine, req: Sequence) -> OutputStream:
+    """The request's text, with the one handle through which a stop string ends it."""
+    return OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
+
+
 async def events(http: HttpRequest, req: Sequence, watch_disconnect: bool) -> AsyncIterator[TokenEvent | Finished]:
     """Yield the request's events, as text, until it finishes; a client that goes away cancels it."""
     engine = engine_of(http)
-    output = OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
+    output = output_stream(engine, req)
     getter: asyncio.Task | None = None
     next_check = time.monotonic() + DISCONNECT_POLL_S
     try:

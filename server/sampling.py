@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class SamplingParams:
     """Per-request decoding settings; temperature 0 means greedy."""
 
-    max_tokens: int = 256
+    max_tokens: int | None = None  # None: what room the session has left (the engine decides, once)
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0

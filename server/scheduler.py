@@ -36,6 +36,7 @@ class Scheduler:
         self.evictions = 0
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of those found in the KV
         self._retired: list[Sequence] = []
+        self._in_flight: set[str] = set()  # the requests of the step being run, between schedule and postprocess
 
     def check_room(self, n: int = 1) -> None:
         if len(self.waiting) + n > self.config.max_queued:
@@ -83,6 +84,7 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             tokens_left -= n
         rows = tuple(self.by_id[c.request_id].sample_row() for c in chunks if c.sample)
+        self._in_flight = {c.request_id for c in chunks}
         return StepBatch(tuple(chunks), rows)
 
     def _admit(self, req: Sequence, tokens_left: int, planned: int, protect: set[str]) -> tuple[int, int] | None:
@@ -144,17 +146,21 @@ class Scheduler:
         self.preemptions += 1
 
     def _reap(self) -> None:
-        for req in [r for r in (*self.waiting, *self.running) if r.cancelled or r.stop_at is not None]:
-            self._end_early(req)
+        for req in [r for r in (*self.waiting, *self.running) if r.cancelled]:
+            req.finish("cancelled")
             self.retire(req)
 
-    @staticmethod
-    def _end_early(req: Sequence) -> None:
-        """End a request its client or its output stream ended: at its stop string, or as cancelled."""
-        if req.stop_at is not None:
-            req.cut()
-        else:
-            req.finish("cancelled")
+    def stop(self, req: Sequence, kept: int) -> None:
+        """The one way a stop string ends a request: its output stream found one after `kept` tokens.
+
+        A request in the step being run ends once that step has written its KV (in postprocess); any
+        other, waiting, running or already ended, ends here, now."""
+        if req.id in self._in_flight:
+            req.stop_at = kept
+            return
+        req.end_at(kept)
+        if req.id in self.by_id:
+            self.retire(req)
 
     def retire(self, req: Sequence) -> None:
         """Take a finished request out and release (or remove) its session."""
@@ -173,6 +179,7 @@ class Scheduler:
 
     def postprocess(self, batch: StepBatch, sampled: list[Sampled]) -> None:
         """Apply one step's sampled tokens (one per sampling chunk, in order)."""
+        self._in_flight = set()
         it = iter(sampled)
         for chunk in batch.chunks:
             req = self.by_id.get(chunk.request_id)
@@ -181,8 +188,10 @@ class Scheduler:
                 continue
             assert req.session.cached_length == chunk.start + len(chunk.tokens)
             req.session.cache.publish(req.session.tokens)  # full blocks become reusable prefixes
-            if req.cancelled or req.stop_at is not None:
-                self._end_early(req)
+            if req.stop_at is not None:
+                req.end_at(req.stop_at)
+            elif req.cancelled:
+                req.finish("cancelled")
             elif token is not None:
                 req.accept(token, self.eos_ids)
             elif not req.wants_tokens and not req.session.pending:
@@ -192,6 +201,7 @@ class Scheduler:
 
     def fail_step(self, batch: StepBatch, error: Exception) -> None:
         """A step raised: fail its requests and give their sessions back the history they had before."""
+        self._in_flight = set()
         for chunk in batch.chunks:
             req = self.by_id.get(chunk.request_id)
             if req is None:

@@ -63,7 +63,7 @@ class Sequence:
     sink: Callable[[asyncio.Queue, object], None] | None = None
     finished: Finished | None = None
     cancelled: bool = False
-    stop_at: int | None = None  # set by its OutputStream: a stop string ends the reply after this many tokens
+    stop_at: int | None = None  # a stop string found while a step ran it: end after this many tokens, once it ends
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -114,18 +114,18 @@ class Sequence:
         self.finished = Finished(reason, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last)
         self._emit(self.finished)
 
-    def trim_after_end(self, kept: int) -> None:
-        """A stop string its OutputStream found only after the request ended by itself: the idle session
-        keeps the history up to the stop. (A failed request's session already has its earlier history.)"""
+    def end_at(self, kept: int) -> None:
+        """End at a stop string its OutputStream found after `kept` output tokens: the tokens sampled past it
+        leave the history and the KV (only between steps: no step may be writing them). A request that had
+        already ended by itself trims the history only if it is still what the request left."""
         session, end = self.session, self.finished
-        ended_itself = end.reason in ("eos", "stop", "length")
-        if ended_itself and end.completion_tokens > kept and session.busy is None and session.persistent:
+        ours = end is None or (
+            end.reason in ("eos", "stop", "length") and session.busy is None
+            and session.tokens == [*self.prompt_ids, *self.output_ids]
+        )
+        if ours and kept < len(self.output_ids):
+            del self.output_ids[kept:]
             session.truncate(len(self.prompt_ids) + kept)
-
-    def cut(self) -> None:
-        """End at the stop string its OutputStream found: the tokens sampled past it leave the session."""
-        del self.output_ids[self.stop_at :]
-        self.session.truncate(len(self.prompt_ids) + self.stop_at)
         self.finish("stop")
 
     def _emit(self, event: TokenEvent | Finished) -> None:

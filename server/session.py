@@ -11,6 +11,20 @@ from kvcache import SessionCache, Sizing
 from .errors import Conflict, InvalidRequest, NotFound, Overloaded
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A request's prompt laid against a session's history: keep its first `kept` tokens, then add `new`."""
+
+    kept: int
+    new: tuple[int, ...]
+    prompt_tokens: int  # the request's prompt, as its client counts it
+
+    @property
+    def length(self) -> int:
+        """The history's length once the turn is taken."""
+        return self.kept + len(self.new)
+
+
 @dataclass(eq=False)
 class Session:
     """One conversation: its full token history and, while resident, the cache holding its KV."""
@@ -33,6 +47,23 @@ class Session:
     def pending(self) -> list[int]:
         """Tokens of the history whose KV is not in the cache yet."""
         return self.tokens[self.cached_length :]
+
+    def resend(self, prompt: list[int]) -> Turn:
+        """The whole conversation again (OpenAI clients): keep the longest common prefix, add the rest."""
+        kept = common_prefix(self.tokens, prompt)
+        return Turn(kept, tuple(prompt[kept:]), len(prompt))
+
+    def continue_with(self, tokens: list[int]) -> Turn:
+        """These tokens after the whole history."""
+        return Turn(len(self.tokens), tuple(tokens), len(tokens))
+
+    def take(self, turn: Turn, generates: bool) -> None:
+        """Make the turn the history. A reply needs the logits after the last token, so when that token's KV
+        is already cached it is rewound, and prefilled again as the one pending token."""
+        self.truncate(turn.kept)
+        self.tokens.extend(turn.new)
+        if generates and not self.pending and self.cache is not None:
+            self.cache.rewind(1)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens of the history (and of the cache)."""

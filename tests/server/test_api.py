@@ -1,5 +1,4 @@
 import asyncio
-import functools
 import json
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from huggingface_hub import InferenceClient
 from kvcache import REGISTRY
 from models.catalog import DEFAULT_WEIGHTS
 from models.loader import resolve_weights
-from server.output_stream import OutputStream
+from server.generation import output_stream
 from server.sampling import SamplingParams
 from server.sequence import Finished
 
@@ -239,7 +238,7 @@ def test_a_stop_seen_after_the_engine_ended_still_cuts_the_session(fast_server):
     while req.events.qsize() < 8 and time.monotonic() < deadline:  # 7 tokens, then the end with the 8th: all handed over
         time.sleep(0.01)
     assert req.finished is not None and req.finished.reason == "length" and session.busy is None
-    output = OutputStream(engine.tokenizer, req, functools.partial(engine.cut, req))
+    output = output_stream(engine, req)
     rendered = [output.render(req.events.get_nowait()) for _ in range(8)]
     end = next(e for e in rendered if isinstance(e, Finished))
     assert (end.reason, end.completion_tokens, end.output) == ("stop", k, "".join(pieces[: k - 1]))

@@ -149,8 +149,22 @@ def test_a_stop_found_downstream_cuts_the_reply_and_the_session_history():
     for token in (11, 12, 13):
         run_step(sched, sched.schedule(), token=token)
     # the output stream saw a stop string end at the 2nd token, while a 3rd was already sampled
-    req.stop_at = 2
-    assert sched.schedule().chunks == ()
+    sched.stop(req, 2)
     assert req.finished.reason == "stop" and req.finished.completion_tokens == 2
     assert s.tokens == [1, 2, 3, 11, 12] and s.cache.length <= 5 and s.busy is None
+    assert not sched.has_work()
+
+
+def test_a_stop_found_while_its_step_runs_ends_it_once_the_step_has_written():
+    sched, sessions, _ = make()
+    s = sessions.create(64, Sizing.DYNAMIC, True, None)
+    req = submit(sched, sessions, 3, max_tokens=10, session=s)
+    for token in (11, 12):
+        run_step(sched, sched.schedule(), token=token)
+    batch = sched.schedule()  # the decode of 12 is in flight
+    sched.stop(req, 1)  # the output stream saw a stop string end at the 1st token
+    assert req.finished is None and s.tokens == [1, 2, 3, 11, 12]  # nothing moves under a running step
+    run_step(sched, batch, token=13)
+    assert req.finished.reason == "stop" and req.finished.completion_tokens == 1 and req.output_ids == [11]
+    assert s.tokens == [1, 2, 3, 11] and s.cache.length <= 4 and s.busy is None
     assert not sched.has_work()

@@ -14,9 +14,9 @@ import torch
 
 from models import DEFAULT_MODEL, fetch, load_model
 from server.config import EngineConfig
-from server.engine import Engine
-from server.sampling import SamplingParams
-from server.sequence import Finished
+from server.engine.engine import Engine
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import Finished
 
 TOPICS = ["the sea", "a robot", "coffee", "the moon", "a small town", "trains", "winter", "music", "rivers", "chess"]
 

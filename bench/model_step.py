@@ -16,8 +16,8 @@ from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
 from models.quant import WEIGHT_MODES
 from server.config import KV_DTYPES
-from server.kv_pool import kv_dtype
-from server.model_thread import keep_step_buffers
+from server.engine.kv_pool import kv_dtype
+from server.engine.model_thread import keep_step_buffers
 
 
 def main() -> None:

@@ -94,11 +94,11 @@ def cmd_export(args) -> int:
 def cmd_generate(args) -> int:
     from models.loader import load_model
 
-    from .engine import Engine
-    from .model_thread import model_thread
-    from .generation import output_stream
-    from .sampling import SamplingParams
-    from .sequence import Finished
+    from .engine.engine import Engine
+    from .engine.model_thread import model_thread
+    from .api.generation import output_stream
+    from .engine.sampling import SamplingParams
+    from .engine.sequence import Finished
 
     worker = model_thread()
     model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
@@ -129,9 +129,9 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from models.loader import load_model
 
-    from .app import create_app
-    from .engine import Engine
-    from .model_thread import model_thread
+    from .api.app import create_app
+    from .engine.engine import Engine
+    from .engine.model_thread import model_thread
 
     start = time.time()
     worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own

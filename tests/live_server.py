@@ -8,9 +8,9 @@ import threading
 import httpx
 import uvicorn
 
-from server.app import create_app
+from server.api.app import create_app
 from server.config import EngineConfig, ServerConfig
-from server.engine import Engine
+from server.engine.engine import Engine
 from server.local import free_port, wait_healthy
 
 __all__ = ["LiveServer", "free_port", "metric", "metrics", "start_cli_server", "wait_healthy"]

@@ -129,4 +129,4 @@ def test_with_api_keys_the_page_asks_for_one_and_shows_its_owners_sessions_only(
 
 
 def test_the_page_stays_small():
-    assert sum(f.stat().st_size for f in (ROOT / "server" / "console").iterdir()) < 200_000
+    assert sum(f.stat().st_size for f in (ROOT / "server" / "api" / "console_page").iterdir()) < 200_000

@@ -7,7 +7,7 @@ import torch
 from kvcache import REGISTRY, SessionCache
 from models import DEFAULT_MODEL, load_model
 from server.config import EngineConfig
-from server.kv_pool import kv_layout
+from server.engine.kv_pool import kv_layout
 
 PROMPTS = [
     "The capital of France is",

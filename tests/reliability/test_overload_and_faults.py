@@ -10,7 +10,7 @@ import pytest
 
 from kvcache import REGISTRY
 from server.config import EngineConfig
-from server.kv_pool import kv_dtype
+from server.engine.kv_pool import kv_dtype
 
 from ..live_server import LiveServer, free_port, metric, start_cli_server, wait_healthy
 

@@ -13,9 +13,9 @@ from huggingface_hub import InferenceClient
 from kvcache import REGISTRY
 from models.catalog import DEFAULT_WEIGHTS
 from models.loader import resolve_weights
-from server.generation import output_stream
-from server.sampling import SamplingParams
-from server.sequence import Finished
+from server.api.generation import output_stream
+from server.engine.sampling import SamplingParams
+from server.engine.sequence import Finished
 
 from ..live_server import metric
 from ..models.test_fidelity import greedy_alone

@@ -4,7 +4,7 @@ import threading
 import pytest
 import torch
 
-from server.model_thread import TORCH_THREADS, keep_torch_serial, model_thread
+from server.engine.model_thread import TORCH_THREADS, keep_torch_serial, model_thread
 
 
 def test_the_model_thread_keeps_every_core_and_the_loop_thread_none():
@@ -32,7 +32,7 @@ def test_step_sized_buffers_are_reused_not_faulted_in_afresh():
     import platform
     import resource
 
-    from server.model_thread import keep_step_buffers
+    from server.engine.model_thread import keep_step_buffers
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")

@@ -9,7 +9,7 @@ import pytest
 from kvcache import BlockPool
 from models import load_model
 from server.config import EngineConfig
-from server.kv_pool import kv_layout
+from server.engine.kv_pool import kv_layout
 
 from ..live_server import LiveServer, metric
 

@@ -1,7 +1,7 @@
 import torch
 
-from server.sampling import SampleRow, SamplingParams, sample
-from server.stops import StopMatcher
+from server.engine.sampling import SampleRow, SamplingParams, sample
+from server.api.stops import StopMatcher
 
 
 def rows(*params, seed=0):

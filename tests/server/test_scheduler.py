@@ -5,11 +5,11 @@ from kvcache import CacheConfig, CacheRegistry, Sizing
 from kvcache.step import ActiveStep
 from server.config import EngineConfig
 from server.errors import Overloaded
-from server.kv_pool import KVPool
-from server.sampling import Sampled, SamplingParams
-from server.scheduler import Scheduler
-from server.sequence import Finished, Sequence
-from server.session import SessionStore
+from server.engine.kv_pool import KVPool
+from server.engine.sampling import Sampled, SamplingParams
+from server.engine.scheduler import Scheduler
+from server.engine.sequence import Finished, Sequence
+from server.engine.session import SessionStore
 
 LAYOUT = CacheConfig(n_layers=2, n_kv_heads=1, head_dim=4, capacity=1)  # 64 bytes per token
 EOS = 0

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from models.detokenizer import IncrementalDetokenizer
 
-from .sequence import Finished, Sequence, TokenEvent
+from ..engine.sequence import Finished, Sequence, TokenEvent
 from .stops import StopMatcher
 
 

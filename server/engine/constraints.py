@@ -18,7 +18,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from models.tokenizer import TextTokenizer
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 # Fixed separators and no free whitespace in generated JSON: a small model otherwise pads it with

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request as HttpRequest
 
-from .engine import Engine
-from .errors import ApiError, InvalidRequest, NotFound
+from ..engine.engine import Engine
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import Finished, Sequence, TokenEvent
+from ..errors import ApiError, InvalidRequest, NotFound
 from .output_stream import OutputStream
-from .sampling import SamplingParams
-from .sequence import Finished, Sequence, TokenEvent
 
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there

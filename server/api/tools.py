@@ -12,7 +12,7 @@ import re
 import secrets
 from typing import Any
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .schemas import ChatCompletionRequest, ChatMessage
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)

@@ -34,7 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
     logit_bias: tuple[tuple[int, float], ...] = ()  # added to those tokens' logits; -100 bans a token
-    grammar: str | None = None  # an llguidance grammar the output must match (server/constraints.py)
+    grammar: str | None = None  # an llguidance grammar the output must match (server/engine/constraints.py)
 
     @property
     def greedy(self) -> bool:

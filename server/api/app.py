@@ -11,10 +11,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .config import ServerConfig
-from .engine import Engine
-from .errors import ApiError, PayloadTooLarge, Unauthorized
-from . import api_console, api_misc, api_openai, api_sessions, api_tgi
+from ..config import ServerConfig
+from ..engine.engine import Engine
+from ..errors import ApiError, PayloadTooLarge, Unauthorized
+from . import console, misc, openai, sessions, tgi
 
 log = logging.getLogger("kvserve.app")
 PUBLIC_PATHS = {"/health"}
@@ -36,7 +36,7 @@ class GuardMiddleware:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         owner = None
-        public = scope["path"] in PUBLIC_PATHS or (scope["method"] == "GET" and scope["path"] in api_console.PUBLIC_PAGES)
+        public = scope["path"] in PUBLIC_PATHS or (scope["method"] == "GET" and scope["path"] in console.PUBLIC_PAGES)
         if self.keys and not public:
             auth = headers.get("authorization", "")
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
@@ -90,7 +90,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
-    for module in (api_console, api_tgi, api_openai, api_sessions, api_misc):
+    for module in (console, tgi, openai, sessions, misc):
         app.include_router(module.router)
 
     @app.exception_handler(ApiError)

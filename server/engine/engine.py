@@ -17,9 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvcache import REGISTRY, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..errors import InvalidRequest, Overloaded, ShuttingDown
 from .constraints import Constraint, Grammars
-from .errors import InvalidRequest, Overloaded, ShuttingDown
 from .kv_pool import KVPool, kv_layout
 from .metrics import Metrics, RecentSteps
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvcache import SessionCache, Sizing
 
-from .errors import Conflict, InvalidRequest, NotFound, Overloaded
+from ..errors import Conflict, InvalidRequest, NotFound, Overloaded
 
 
 @dataclass(frozen=True)

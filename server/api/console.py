@@ -10,12 +10,12 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import FileResponse
 
+from ..engine.engine import Engine
+from ..errors import NotFound
 from . import generation
-from .engine import Engine
-from .errors import NotFound
 from .schemas import ERROR_RESPONSES
 
-CONSOLE = Path(__file__).parent / "console"
+CONSOLE = Path(__file__).parent / "console_page"
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 # Pages and assets anyone may load: with API keys on, the page asks for one before it reads anything.
 PUBLIC_PAGES = frozenset({"/", "/ui", *(f"/ui/{name}" for name in ASSETS)})

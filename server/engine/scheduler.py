@@ -13,11 +13,11 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from .batch import Chunk, StepBatch
-from .config import EngineConfig
 from kvcache import PoolExhausted, Sizing
 
-from .errors import Overloaded, StepFailed
+from ..config import EngineConfig
+from ..errors import Overloaded, StepFailed
+from .batch import Chunk, StepBatch
 from .kv_pool import KVPool
 from .sampling import Sampled
 from .sequence import Sequence

@@ -6,8 +6,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..errors import InvalidRequest
 from . import generation, tools
-from .errors import InvalidRequest
 from .schemas import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(tags=["utility"], responses=ERROR_RESPONSES)

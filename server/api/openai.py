@@ -9,12 +9,12 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
+from ..engine.constraints import Grammars
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import Finished, Sequence, TokenEvent
+from ..errors import InvalidRequest
 from . import generation, tools
-from .constraints import Grammars
-from .errors import InvalidRequest
-from .sampling import SamplingParams
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
-from .sequence import Finished, Sequence, TokenEvent
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 

@@ -1,5 +1,5 @@
 // A q4 decoder block as two ops around its attention, so a layer dispatches three ops instead of ~13:
-// at batch 1 each dispatch from the exported graph costs a few microseconds, as much as a small matmul.
+// at batch 1 each dispatch from the exported graph costs as much as a small matmul.
 //
 // Op contracts (kvserve_native::*, float32, weights as linear_q4 takes them):
 // (each weight *_w comes with its panels *_p = pack_panels_q4(*_w)):

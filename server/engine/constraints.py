@@ -2,9 +2,9 @@
 calls), compiled by llguidance into a matcher that gives the tokens allowed next.
 
 llguidance rather than xgrammar or outlines-core: it installs here as one Rust wheel with no
-dependencies, reads `tokenizer.json` directly, compiles a schema in about a millisecond (so a
-request's grammar is built in its handler, never on the model thread), and computes a row's mask in
-tens of microseconds, so masks for a step are computed while its forward runs.
+dependencies, reads `tokenizer.json` directly, compiles a schema fast enough to do it in the request's
+handler (never on the model thread), and computes a row's mask in a small fraction of a step, so
+masks for a step are computed while its forward runs.
 """
 from __future__ import annotations
 

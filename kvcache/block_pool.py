@@ -73,6 +73,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.reserved = 0
+        self.tier = None  # a DiskTier: durable blocks, and cached ones the pool evicts, are written behind to it
 
     @classmethod
     def for_budget(cls, layout: CacheConfig, budget: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
@@ -116,7 +117,9 @@ class BlockPool:
             block = self._free.pop()
         else:
             block, _ = self._cached.popitem(last=False)  # the least recently used cached prefix goes
-            del self._block_of[self._hash_of.pop(block)]
+            digest = self._hash_of.pop(block)
+            del self._block_of[digest]
+            self._spill(block, digest)  # to disk, rather than dropped
         self.refs[block] = 1
         return block
 
@@ -159,20 +162,46 @@ class BlockPool:
         return self.ids[block * self.block_size : (block + 1) * self.block_size].tolist()
 
     # ---- the prefix index --------------------------------------------------------------------
-    def publish(self, block: int, digest: bytes) -> None:
-        """Index a full block by its chained hash; a second block with the same content stays private."""
+    def publish(self, block: int, digest: bytes, durable: bool = False) -> None:
+        """Index a full block by its chained hash; a second block with the same content stays private.
+        A durable block (a persistent session's) is also written behind to the disk tier."""
         if digest not in self._block_of and block not in self._hash_of:
             self._block_of[digest] = block
             self._hash_of[block] = digest
+        if durable:
+            self._spill(block, digest)
 
-    def match(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> list[int]:
+    def _spill(self, block: int, digest: bytes) -> None:
+        """Hand the disk tier a copy of a full block (the pool may reuse the block at once)."""
+        if self.tier is not None and self.tier.healthy and not self.tier.has(digest):
+            self.tier.offer(digest, self.tokens_of(block), self.k[block].clone(), self.v[block].clone())
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of `hashes` the index holds now."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._block_of:
+            n += 1
+        return n
+
+    def match(self, hashes: Sequence[bytes], tokens: Sequence[int], fetched: dict | None = None) -> list[int]:
         """The cached blocks of the longest indexed prefix of `hashes` (the chained hashes of `tokens`'s full
-        blocks) whose recorded ids are those tokens, each given one more reference."""
+        blocks) whose recorded ids are those tokens, each given one more reference. A block the index
+        lacks may come from `fetched` ({digest: (k, v)} read back from disk, ids checked there): it is
+        copied into a fresh block and indexed."""
         blocks, b = [], self.block_size
         for i, digest in enumerate(hashes):
             block = self._block_of.get(digest)
             if block is None:
-                break
+                if not fetched or digest not in fetched or self.available() <= 0:
+                    break
+                block = self.allocate()
+                k, v = fetched[digest]
+                self.k[block].copy_(k)
+                self.v[block].copy_(v)
+                self.record(block, tokens[i * b : (i + 1) * b])
+                self._block_of[digest], self._hash_of[block] = block, digest
+                blocks.append(block)
+                continue
             if self.ids[block * b : (block + 1) * b] != array("q", tokens[i * b : (i + 1) * b]):
                 self._mismatch(block)
                 break

@@ -163,24 +163,26 @@ class SessionCache:
             self.pool.release(block)
         self.table, self._hashes = [], []
 
-    def publish(self, tokens: Sequence[int]) -> None:
+    def publish(self, tokens: Sequence[int], durable: bool = False) -> None:
         """Record the ids of the history, tokens[:length], beside its KV, and index its full blocks for
-        prefix reuse. Rows already published keep the ids they have: an indexed block is never written."""
+        prefix reuse (and, `durable`, write them behind to the pool's disk tier). Rows already published
+        keep the ids they have: an indexed block is never written."""
         b, done = self.pool.block_size, len(self._hashes)
         for i in range(done, blocks_for(self._length, b)):
             if not self.pool.indexed(self.table[i]):  # (one kept through a rewind holds these ids already)
                 self.pool.record(self.table[i], tokens[i * b : min((i + 1) * b, self._length)])
         fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else b"")
         for block, digest in zip(self.table[done:], fresh):
-            self.pool.publish(block, digest)
+            self.pool.publish(block, digest, durable)
         self._hashes += fresh
 
-    def attach_prefix(self, tokens: Sequence[int]) -> int:
-        """Start an empty cache from the longest cached prefix of `tokens` (whole blocks) -> tokens reused."""
+    def attach_prefix(self, tokens: Sequence[int], fetched: dict | None = None) -> int:
+        """Start an empty cache from the longest cached prefix of `tokens` (whole blocks), in RAM or among
+        the `fetched` blocks read back from disk -> tokens reused."""
         assert self._length == 0 and not self.table, "only an empty cache attaches a prefix"
         limit = min(len(tokens), self.config.capacity)
         hashes = prefix_hashes(tokens[:limit], self.pool.block_size)
-        self.table = self.pool.match(hashes, tokens[:limit])
+        self.table = self.pool.match(hashes, tokens[:limit], fetched)
         self._take()
         self._hashes = hashes[: len(self.table)]
         self._length = len(self.table) * self.pool.block_size

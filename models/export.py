@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import operator
@@ -47,6 +48,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     weights: str = "f32"
+    fingerprint: str = ""  # a hash of the artifact's program, weights, config and tokenizer: what its KV depends on
 
 
 def fuse_projections(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -200,6 +202,7 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
         raise ModelLoadError(f"{folder}: a {meta['weights']} artifact needs the C++/AVX2 kernels, which are unavailable here")
     forward = _program(folder, meta)
     config = ModelConfig.from_json((folder / "config.json").read_text())
+
     return LoadedModel(
         config=config,
         forward=forward,
@@ -207,4 +210,16 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
         name=meta["name"],
         dtype=getattr(torch, meta["dtype"]),
         weights=meta.get("weights", "f32"),
+        fingerprint=fingerprint(folder, meta),
     )
+
+
+def fingerprint(folder: Path, meta: dict | None = None) -> str:
+    """What an artifact's KV depends on, as one hash: its program and weights (by the hashes kvserve.json
+    records), its config, and its tokenizer's files (the chat template included)."""
+    meta = meta or json.loads((Path(folder) / "kvserve.json").read_text())
+    h = hashlib.sha256(json.dumps(meta.get("sha256", {}), sort_keys=True).encode())
+    for f in sorted(Path(folder).iterdir()):
+        if f.is_file() and f.name not in (PROGRAM_FILE, WEIGHTS_FILE, "kvserve.json"):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()

@@ -95,4 +95,5 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
     forward = export_mod.runnable_module(program)
-    return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights)
+    return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights,
+                       fingerprint=export_mod.fingerprint(cached) if use_cache else "")

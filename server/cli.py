@@ -42,6 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
                    help="KV cache element type; auto: float16 with f16/q4 weights (half the memory and reads), else the model's dtype")
+    p.add_argument("--kv-disk", default=None, metavar="DIR",
+                   help="a disk tier under the KV pool: blocks by content and session records, kept across restarts")
+    p.add_argument("--kv-disk-budget", type=parse_bytes, default=d.kv_disk_budget, help="bytes of KV blocks on disk")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="cap on the reply of a request that names no max_tokens (default: what fits in its session)")
 
@@ -57,6 +60,8 @@ def _engine_config(args) -> EngineConfig:
         max_queued=args.max_queued,
         kv_dtype=args.kv_dtype,
         default_max_tokens=args.default_max_tokens,
+        kv_disk=args.kv_disk,
+        kv_disk_budget=args.kv_disk_budget,
     )
 
 

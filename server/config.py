@@ -40,6 +40,8 @@ class EngineConfig:
     max_sessions: int = 4096  # persistent sessions, resident or evicted
     kv_dtype: str = "auto"  # float32, float16, or auto: float16 beside non-f32 weights, else the model's dtype
     retry_after_s: int = 1  # what a 429 tells the client to wait
+    kv_disk: str | None = None  # a folder for the disk tier: KV blocks by content and session records
+    kv_disk_budget: int = 16 * 2**30  # bytes of KV blocks the disk tier may hold
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued"):

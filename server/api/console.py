@@ -2,7 +2,6 @@
 scripts may read too (GET /v1/status)."""
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -45,15 +44,15 @@ async def status(http: HttpRequest) -> dict:
 
 
 def owner_label(owner: str | None) -> str | None:
-    """A key's name on the page: a hash prefix, never the key."""
-    return None if owner is None else "key-" + hashlib.sha256(owner.encode()).hexdigest()[:8]
+    """A key's name on the page: a prefix of its hash (Session.owner), never the key."""
+    return None if owner is None else "key-" + owner[:8]
 
 
 def snapshot(engine: Engine, owner: str | None, started: int) -> dict:
     blocks, sched = engine.pool.blocks, engine.scheduler
     sessions = []
     for s in engine.sessions:
-        if s.owner != owner:
+        if not s.owned_by(owner):
             continue
         req = s.busy
         # evicted: its KV went back to the pool (its history stays, and is prefilled again when it is next used)
@@ -75,6 +74,7 @@ def snapshot(engine: Engine, owner: str | None, started: int) -> dict:
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
             "prefix_cache_mismatches": blocks.mismatches,
         },
+        "disk": engine.pool.tier.info() if engine.pool.tier is not None else None,
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
         "steps": engine.recent.summary(),
         "sessions": sessions,

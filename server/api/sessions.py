@@ -1,5 +1,7 @@
-"""Session routes: create, inspect, fork, rewind and end conversations whose KV stays resident."""
+"""Session routes: create, inspect, fork, rewind, snapshot and end conversations whose KV stays resident."""
 from __future__ import annotations
+
+import asyncio
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
@@ -25,7 +27,7 @@ async def create_session(http: HttpRequest, body: SessionCreate | None = None) -
 async def list_sessions(http: HttpRequest) -> dict:
     owner, engine = generation.owner_of(http), generation.engine_of(http)
     with engine.lock:  # the step loop changes sessions and their caches under it
-        sessions = [s.info() for s in engine.sessions if s.persistent and s.owner == owner]
+        sessions = [s.info() for s in engine.sessions if s.persistent and s.owned_by(owner)]
     return {"object": "list", "data": sessions}
 
 
@@ -33,14 +35,14 @@ async def list_sessions(http: HttpRequest) -> dict:
 async def get_session(session_id: str, http: HttpRequest) -> dict:
     engine = generation.engine_of(http)
     with engine.lock:
-        return {"object": "session", **engine.sessions.get(session_id, generation.owner_of(http)).info()}
+        return {"object": "session", **engine.session(session_id, generation.owner_of(http)).info()}
 
 
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, http: HttpRequest) -> dict:
     engine = generation.engine_of(http)
     with engine.lock:
-        session = engine.sessions.get(session_id, generation.owner_of(http))
+        session = engine.session(session_id, generation.owner_of(http))
     engine.delete_session(session)
     return {"id": session_id, "object": "session", "deleted": True}
 
@@ -49,7 +51,7 @@ async def delete_session(session_id: str, http: HttpRequest) -> dict:
 async def rewind_session(session_id: str, body: SessionRewind, http: HttpRequest) -> dict:
     engine = generation.engine_of(http)
     with engine.lock:
-        session = engine.sessions.get(session_id, generation.owner_of(http))
+        session = engine.session(session_id, generation.owner_of(http))
     engine.rewind_session(session, body.length)
     with engine.lock:
         return {"object": "session", **session.info()}
@@ -61,7 +63,18 @@ async def fork_session(session_id: str, http: HttpRequest, body: SessionFork | N
     engine = generation.engine_of(http)
     owner = generation.owner_of(http)
     with engine.lock:
-        parent = engine.sessions.get(session_id, owner)
+        parent = engine.session(session_id, owner)
     child = engine.fork_session(parent, owner, session_id=body.id if body is not None else None)
     with engine.lock:
         return {"object": "session", "parent": parent.id, **child.info()}
+
+
+@router.post("/{session_id}/snapshot")
+async def snapshot_session(session_id: str, http: HttpRequest) -> dict:
+    """Write the session's record and its blocks to the disk tier now (--kv-disk), and wait until they are there."""
+    engine = generation.engine_of(http)
+    with engine.lock:
+        session = engine.session(session_id, generation.owner_of(http))
+    on_disk = await asyncio.to_thread(engine.snapshot, session)
+    with engine.lock:
+        return {"object": "session", "on_disk": on_disk, **session.info()}

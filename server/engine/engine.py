@@ -18,7 +18,7 @@ from kvcache import REGISTRY, CacheRegistry, PoolExhausted, Sizing
 from models.export import LoadedModel
 
 from ..config import EngineConfig
-from ..errors import InvalidRequest, Overloaded, ShuttingDown
+from ..errors import Conflict, InvalidRequest, NotFound, Overloaded, ShuttingDown
 from .constraints import Constraint, Grammars
 from .kv_pool import KVPool, kv_layout
 from .metrics import Metrics, RecentSteps
@@ -27,7 +27,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .session import Session, SessionStore, Turn
+from .session import Session, SessionStore, Turn, owner_id
 
 log = logging.getLogger("kvserve.engine")
 
@@ -42,6 +42,9 @@ class Engine:
         layout = kv_layout(model, config.kv_dtype)
         self.pool = KVPool(registry, config.kv_budget, layout)
         self.sessions = SessionStore(config.max_sessions)
+        self.max_context = config.context(c.max_context)
+        if config.kv_disk is not None:
+            self._restore(self.pool.open_tier(config.kv_disk, config.kv_disk_budget, model))
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)  # its grammar masks are computed on a side thread
@@ -51,7 +54,6 @@ class Engine:
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
         self.grammars = Grammars(self.tokenizer)
-        self.max_context = config.context(c.max_context)
         self.default_capacity = min(config.session_capacity, self.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
@@ -85,10 +87,54 @@ class Engine:
         with self.lock:
             for session in list(self.sessions):
                 self.pool.drop(session)
+        if self.pool.tier is not None:
+            self.pool.tier.close()  # every block and record handed over is on disk before the process ends
         self._worker.shutdown(wait=True)
         self.runner.close()
 
     # ---- sessions --------------------------------------------------------------------------
+    def _restore(self, tier) -> None:
+        """The persistent sessions a server on the same --kv-disk left: their histories, KV still on disk."""
+        held = 0
+        for record in tier.sessions():
+            if self._fits(record):
+                if tier.claim(record["id"]):
+                    self.sessions.restore(record)
+                else:
+                    held += 1  # another live server on the folder has it; it may come here once that one dies
+        log.info("kv disk %s: %d sessions restored, %d held by another server", tier.root, len(self.sessions), held)
+
+    def _fits(self, record: dict) -> bool:
+        vocab = self.model.config.vocab_size
+        if record["capacity"] > self.max_context or any(t >= vocab for t in record["tokens"]):
+            log.warning("kv disk: session %s does not fit this server; skipped", record["id"])
+            return False
+        return True
+
+    def session(self, session_id: str, owner: str | None) -> Session:
+        """A persistent session by id (the caller holds the lock): one of ours, or one a server beside this
+        one left on the shared --kv-disk, taken over once no live server holds it."""
+        tier = self.pool.tier
+        try:
+            return self.sessions.get(session_id, owner)
+        except NotFound:
+            record = tier.find_session(session_id) if tier is not None else None
+            if record is None or record.get("owner") != owner_id(owner) or not self._fits(record):
+                raise
+        if not tier.claim(session_id):
+            raise Conflict(f"session {session_id!r} is held by another server on this --kv-disk; "
+                           "send its requests there, or retry once that server is gone", param="session_id")
+        return self.sessions.restore(record)
+
+    def snapshot(self, session: Session) -> bool:
+        """Write the session's record and every block handed over so far -> whether they are on disk."""
+        if self.pool.tier is None:
+            raise InvalidRequest("this server has no disk tier; start it with --kv-disk DIR")
+        with self.lock:
+            self.sessions.check_idle(session)
+            self.pool.persist(session)
+        return self.pool.tier.flush(timeout=60) and self.pool.tier.healthy
+
     def create_session(self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True,
                        session_id: str | None = None) -> Session:
         if not self.accepting:
@@ -101,6 +147,9 @@ class Engine:
             raise InvalidRequest(f"a static session of {capacity} tokens needs {self.pool.full_bytes(capacity)} bytes, "
                                  f"more than the whole KV budget of {self.pool.budget} bytes", param="capacity")
         with self.lock:
+            tier = self.pool.tier
+            if persistent and session_id is not None and tier is not None and tier.find_session(session_id) is not None:
+                raise Conflict(f"session {session_id!r} already exists", param="id")
             session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
             if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
                 if not self.scheduler.evict_idle(self.pool.blocks_for(capacity), keep=session):
@@ -108,6 +157,7 @@ class Engine:
                     raise Overloaded(f"the KV pool cannot hold back {capacity} tokens for a static session now",
                                      retry_after_s=self.config.retry_after_s)
                 self.pool.ensure(session)
+            self.pool.persist(session)
             self.metrics.sessions.set(len(self.sessions))
         return session
 
@@ -115,6 +165,7 @@ class Engine:
         with self.lock:
             self.sessions.check_idle(session)
             self.pool.drop(session)
+            self.pool.forget(session)
             self.sessions.remove(session)
             self.metrics.sessions.set(len(self.sessions))
 
@@ -132,12 +183,14 @@ class Engine:
                 except PoolExhausted as e:
                     self.sessions.remove(child)
                     raise Overloaded(f"no KV room to fork a static session: {e}", retry_after_s=self.config.retry_after_s) from None
+            self.pool.persist(child)
             self.metrics.sessions.set(len(self.sessions))
         return child
 
     def rewind_session(self, session: Session, length: int) -> None:
         with self.lock:
             self.sessions.rewind(session, length)
+            self.pool.persist(session)
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool) -> Sequence:
@@ -168,6 +221,7 @@ class Engine:
                        kept=turn.kept, sink=self._post, constraint=constraint)
         session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
+        req.fetch = self.pool.prefetch(session)
         self.scheduler.add(req)
         self._update_gauges()
         return req
@@ -284,6 +338,8 @@ class Engine:
         s = self.scheduler
         self.metrics.observe(s.take_retired(), s.take_preemptions(), s.take_evictions(), *s.take_prefix_counts())
         self.metrics.pool_mismatches(self.pool.blocks.mismatches)
+        if self.pool.tier is not None:
+            self.metrics.disk(self.pool.tier)
         self.metrics.sessions.set(len(self.sessions))
 
     def _update_gauges(self) -> None:

@@ -1,9 +1,13 @@
 """The engine's KV memory: one block pool under the KV budget, and the session caches it holds."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from kvcache import BlockPool, CacheConfig, CacheRegistry, SessionCache
+from kvcache.block_pool import prefix_hashes
+from kvcache.disk_tier import DiskTier
 from kvcache.session_cache import blocks_for
 from models.export import LoadedModel
 
@@ -32,6 +36,7 @@ class KVPool:
         self.layout = layout  # n_layers, heads, dims and dtype; capacity and sizing come per session
         self.blocks = BlockPool.for_budget(layout, budget)
         self.budget = self.blocks.n_blocks * self.blocks.block_bytes
+        self.tier: DiskTier | None = None
 
     def config_for(self, session: Session) -> CacheConfig:
         l = self.layout
@@ -47,7 +52,39 @@ class KVPool:
     def full_bytes(self, capacity: int) -> int:
         return self.blocks_for(capacity) * self.blocks.block_bytes
 
-    def ensure(self, session: Session, reuse: Session | None = None) -> None:
+    def open_tier(self, folder: str, budget: int, model: LoadedModel) -> DiskTier:
+        """Put a disk tier under the block pool, for this model's identity: what its KV depends on."""
+        blocks = self.blocks
+        identity = {"model": model.fingerprint or model.name, "weights": model.weights, "dtype": str(model.dtype),
+                    "kv_dtype": str(self.layout.dtype), "block_size": blocks.block_size, "kv_shape": list(blocks.k.shape[1:])}
+        self.tier = blocks.tier = DiskTier(Path(folder), budget, identity, blocks.block_bytes, blocks.block_size,
+                                           tuple(blocks.k.shape[1:]), tuple(blocks.v.shape[1:]), blocks.k.dtype)
+        return self.tier
+
+    def prefetch(self, session: Session):
+        """Start reading back from disk the blocks of the session's history that RAM lacks -> a future of
+        them, or None (no tier, or nothing to read). The request waits in the queue, never the step."""
+        if self.tier is None or not self.tier.healthy or session.cache is not None:
+            return None
+        b = self.blocks.block_size
+        tokens = session.tokens[: min(len(session.tokens) - 1, session.capacity)]
+        hashes = prefix_hashes(tokens, b)
+        skip = self.blocks.cached_prefix(hashes)
+        if skip == len(hashes) or not self.tier.has(hashes[skip]):
+            return None
+        return self.tier.prefetch(hashes[skip:], tokens[skip * b :])
+
+    def persist(self, session: Session) -> None:
+        """Write a persistent session's record behind (its blocks go by content, as they fill)."""
+        if self.tier is not None and session.persistent:
+            self.tier.claim(session.id)  # a new one becomes ours; one already ours stays so
+            self.tier.save_session(session.record())
+
+    def forget(self, session: Session) -> None:
+        if self.tier is not None and session.persistent:
+            self.tier.delete_session(session.id)
+
+    def ensure(self, session: Session, reuse: Session | None = None, fetched: dict | None = None) -> None:
         """Give a session without a cache one, starting from `reuse`'s KV (a fork) or from the longest
         cached prefix of its history. Raises PoolExhausted (nothing installed) if a static one cannot reserve."""
         if session.cache is not None:
@@ -59,7 +96,7 @@ class KVPool:
             return
         cache = SessionCache(self.config_for(session), self.blocks)
         # the last token is always run again: its logits start the reply
-        cache.attach_prefix(session.tokens[: len(session.tokens) - 1])
+        cache.attach_prefix(session.tokens[: len(session.tokens) - 1], fetched)
         session.cache = self.registry.install(session.id, cache)
 
     def fork(self, parent: Session, child: Session) -> None:

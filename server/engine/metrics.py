@@ -7,6 +7,7 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_IO = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 _SESSIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -45,6 +46,15 @@ class Metrics:
         self.prefix_hits = counter("kvserve:prefix_cache_hits", "Prompt tokens found in the KV, not prefilled")
         self.prefix_mismatches = counter("kvserve:prefix_cache_mismatches", "Prefix hits refused: a cached block's token ids were not the request's (a bug; the block was recomputed)")
         self._mismatches_seen = 0
+        self.disk_blocks = gauge("kvserve:kv_disk_blocks", "KV blocks in the disk tier")
+        self.disk_bytes = gauge("kvserve:kv_disk_bytes", "Bytes of KV blocks in the disk tier")
+        self.disk_healthy = gauge("kvserve:kv_disk_healthy", "1 while the disk tier works; 0 once it failed (RAM only)")
+        self.disk_hits = counter("kvserve:kv_disk_hits", "KV blocks read back from disk instead of recomputed")
+        self.disk_misses = counter("kvserve:kv_disk_misses", "Read-backs that stopped at a block not on disk")
+        self.disk_errors = counter("kvserve:kv_disk_errors", "Disk tier I/O failures and blocks or records that failed their checks")
+        self.disk_read = hist("kvserve:kv_disk_read_seconds", "Time to read back one request's blocks from disk", _IO)
+        self.disk_write = hist("kvserve:kv_disk_write_seconds", "Time to write one KV block behind", _IO)
+        self._disk_seen = (0, 0, 0)
         self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
 
@@ -73,6 +83,22 @@ class Metrics:
         """The pool's running count of refused prefix hits."""
         self.prefix_mismatches.inc(total - self._mismatches_seen)
         self._mismatches_seen = total
+
+    def disk(self, tier) -> None:
+        """The disk tier's counts since the last call."""
+        st = tier.stats
+        seen, self._disk_seen = self._disk_seen, (st.hits, st.misses, st.errors)
+        self.disk_hits.inc(st.hits - seen[0])
+        self.disk_misses.inc(st.misses - seen[1])
+        self.disk_errors.inc(st.errors - seen[2])
+        while st.read_s:
+            self.disk_read.observe(st.read_s.pop())
+        while st.write_s:
+            self.disk_write.observe(st.write_s.pop())
+        info = tier.info()
+        self.disk_blocks.set(info["blocks"])
+        self.disk_bytes.set(info["bytes"])
+        self.disk_healthy.set(1 if tier.healthy else 0)
 
     def gauges(self, kv_used: int, kv_budget: int, kv_cached: int, running: int, waiting: int) -> None:
         self.kv_bytes.set(kv_used)

@@ -77,6 +77,8 @@ class Scheduler:
                 break
             if req.parent is not None and not _prefilled(req.parent):
                 continue  # a choice of an n > 1 request forks its parent's prompt once that is in the cache
+            if req.fetch is not None and not req.fetch.done():
+                continue  # its KV is being read back from disk, off the step loop
             admitted = self._admit(req, tokens_left, planned, protect={c.request_id for c in chunks})
             if admitted is None:
                 break  # first come, first served: nobody overtakes a request that does not fit
@@ -96,8 +98,9 @@ class Scheduler:
                 fits, _ = self._make_room(req, self.pool.blocks_for(session.capacity), planned, protect, preempt=False)
                 if not fits:
                     return None
+            fetched = _fetched(req)
             try:
-                self.pool.ensure(session, reuse=req.parent.session if req.parent is not None else None)
+                self.pool.ensure(session, reuse=req.parent.session if req.parent is not None else None, fetched=fetched)
             except PoolExhausted:
                 return None
         n = min(len(session.pending), tokens_left)
@@ -161,6 +164,8 @@ class Scheduler:
         req.end_at(kept)
         if req.id in self.by_id:
             self.retire(req)
+        else:
+            self.pool.persist(req.session)  # an ended request's trimmed history
 
     def retire(self, req: Sequence) -> None:
         """Take a finished request out and release (or remove) its session."""
@@ -173,6 +178,7 @@ class Scheduler:
         session = req.session
         session.busy = None
         session.last_used = time.monotonic()
+        self.pool.persist(session)  # the turn is over: its record goes to disk (if there is a tier)
         if not session.persistent:
             self.pool.drop(session)
             self.sessions.remove(session)
@@ -187,7 +193,7 @@ class Scheduler:
             if req is None:
                 continue
             assert req.session.cached_length == chunk.start + len(chunk.tokens)
-            req.session.cache.publish(req.session.tokens)  # full blocks become reusable prefixes
+            req.session.cache.publish(req.session.tokens, durable=req.session.persistent)  # full blocks become reusable prefixes
             if req.stop_at is not None:
                 req.end_at(req.stop_at)
             elif req.cancelled:
@@ -229,6 +235,14 @@ class Scheduler:
         counts = self.prefix_queries, self.prefix_hits
         self.prefix_queries = self.prefix_hits = 0
         return counts
+
+
+def _fetched(req: Sequence) -> dict | None:
+    """The blocks read back from disk for the request, once (a failed read means recompute)."""
+    fetch, req.fetch = req.fetch, None
+    if fetch is None or fetch.exception() is not None:
+        return None
+    return fetch.result()
 
 
 def _prefilled(parent: Sequence) -> bool:

@@ -7,6 +7,7 @@ import asyncio
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,7 @@ class Sequence:
     finished: Finished | None = None
     cancelled: bool = False
     stop_at: int | None = None  # a stop string found while a step ran it: end after this many tokens, once it ends
+    fetch: Future | None = None  # its history's blocks being read back from disk: it waits in the queue meanwhile
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None

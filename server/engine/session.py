@@ -1,6 +1,7 @@
 """Sessions: token histories whose KV stays resident between requests, and their store."""
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import time
@@ -33,7 +34,7 @@ class Session:
     capacity: int
     sizing: Sizing
     persistent: bool
-    owner: str | None = None
+    owner: str | None = None  # owner_id of the API key that made it (a hash: records on disk hold no keys)
     tokens: list[int] = field(default_factory=list)
     cache: SessionCache | None = None  # None: evicted or never run; rebuilt by prefill
     busy: object | None = None  # the Sequence running on it, if any
@@ -80,6 +81,14 @@ class Session:
         self.tokens[:] = tokens
         self.truncate_cache(valid)
 
+    def owned_by(self, key: str | None) -> bool:
+        return self.owner == owner_id(key)
+
+    def record(self) -> dict:
+        """What the disk tier keeps of a persistent session (its KV blocks are kept by content)."""
+        return {"id": self.id, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
+                "owner": self.owner}
+
     def info(self) -> dict:
         return {
             "id": self.id,
@@ -91,6 +100,10 @@ class Session:
             "resident": self.cache is not None,
             "busy": self.busy is not None,
         }
+
+
+def owner_id(key: str | None) -> str | None:
+    return None if key is None else hashlib.sha256(key.encode()).hexdigest()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -123,14 +136,21 @@ class SessionStore:
                 raise InvalidRequest("a client-chosen session id must be 22 to 128 characters of A-Z a-z 0-9 _ -", param="id")
             if session_id in self._sessions:
                 raise Conflict(f"session {session_id!r} already exists", param="id")
-        session = Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner)
+        session = Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner))
+        self._sessions[session.id] = session
+        return session
+
+    def restore(self, record: dict) -> Session:
+        """A persistent session from its disk record: its history, with no KV resident yet."""
+        session = Session(record["id"], int(record["capacity"]), Sizing(record["sizing"]), True, record.get("owner"),
+                          tokens=[int(t) for t in record["tokens"]])
         self._sessions[session.id] = session
         return session
 
     def get(self, session_id: str, owner: str | None) -> Session:
         session = self._sessions.get(session_id)
         # Another key's session is reported as missing, so ids cannot be probed across keys.
-        if session is None or not session.persistent or session.owner != owner:
+        if session is None or not session.persistent or not session.owned_by(owner):
             raise NotFound(f"no session {session_id!r}", param="session_id")
         return session
 

@@ -1,0 +1,347 @@
+"""A disk tier under the block pool: full KV blocks by content, and session records, in one folder.
+
+Layout, under `--kv-disk DIR`:
+    DIR/<identity>/manifest.json         what the identity hashes: weights, weight mode, KV dtype, block size, tokenizer
+    DIR/<identity>/blocks/ab/cd/<hash>   one full block: header, token ids, K, V, then a checksum of all of it
+    DIR/<identity>/sessions/<id>.json    a persistent session's record (tokens, capacity, sizing, owner hash)
+The identity folder keeps the KV of one model (and KV dtype, and block size) apart from every other:
+a server with another identity sees none of it, so it never serves KV another model wrote. A block is
+named by its chained hash (which covers every token before it) and re-checked on the way back: its
+checksum, its identity and its token ids must all hold, or the file is dropped and the block recomputed.
+
+Every write is a temporary file renamed into place, so a reader never sees half a file, and writes
+run on the tier's own thread (write-behind): the step loop only hands over a copy of the block. Reads
+run on a second thread, while the request waits in the queue. Any OSError (a full disk, a read-only
+or vanished folder) turns the tier off with one warning; serving goes on from RAM.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvserve.disk")
+
+MAGIC = b"KVB1"
+_RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+_CHECK = 4  # bytes of the CRC-32 at the end of a block file: it finds damage; the identity, hash and ids find the rest
+
+
+@dataclass
+class TierStats:
+    """Counters the engine turns into metrics."""
+
+    hits: int = 0  # blocks read back for a prefix
+    misses: int = 0  # blocks looked up and not on disk
+    writes: int = 0
+    errors: int = 0  # I/O failures and files that failed their checks
+    read_s: list[float] = field(default_factory=list)  # per read-back (one request's blocks), drained
+    write_s: list[float] = field(default_factory=list)  # per block written, drained
+
+
+class DiskTier:
+    """Content-addressed KV blocks and session records for one model identity, under a byte budget."""
+
+    def __init__(self, root: Path, budget: int, identity: dict, block_bytes: int, block_size: int,
+                 k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.identity = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=8).hexdigest()
+        self.root = Path(root) / self.identity
+        self.budget, self.block_size = budget, block_size
+        self.k_shape, self.v_shape, self.dtype = k_shape, v_shape, dtype
+        self.file_bytes = len(MAGIC) + 8 + 16 + 8 * block_size + block_bytes + _CHECK
+        self.stats = TierStats()
+        self.healthy = True
+        self._lock = threading.Lock()
+        self._on_disk: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._writes: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._claims: dict[str, int] = {}  # session id -> the open, flock-ed lock file that makes it ours
+        self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
+        try:
+            (self.root / "blocks").mkdir(parents=True, exist_ok=True)
+            (self.root / "sessions").mkdir(exist_ok=True)
+            _write_atomic(self.root / "manifest.json", json.dumps({"identity": identity}, indent=2).encode())
+            self._scan()
+        except OSError as e:
+            self._fail(e)
+        others = [p.name for p in Path(root).iterdir() if p.is_dir() and p.name != self.identity] if Path(root).is_dir() else []
+        if others:
+            log.warning("kv disk %s also holds KV of %d other model identities; it is never reused here", root, len(others))
+        self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-writer", daemon=True)
+        self._writer.start()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-disk-reader")
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def has(self, digest: bytes) -> bool:
+        return digest in self._on_disk
+
+    def offer(self, digest: bytes, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write a full block behind (the caller hands over copies), unless it is on disk already."""
+        if not self.healthy or digest in self._on_disk:
+            return
+        with self._lock:
+            self._pending += 1
+        self._writes.put(("block", digest, list(tokens), k, v))
+
+    def prefetch(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> Future:
+        """Read back, on the reader thread, the blocks of `hashes` (chained hashes of `tokens`'s full
+        blocks) that are on disk, from the first one on, up to the first missing or bad one ->
+        a future of {digest: (k, v)}."""
+        wanted = list(hashes)
+        return self._reader.submit(self._read_prefix, wanted, list(tokens))
+
+    def _read_prefix(self, hashes: list[bytes], tokens: list[int]) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
+        start, out, b = time.perf_counter(), {}, self.block_size
+        for i, digest in enumerate(hashes):
+            if digest not in self._on_disk:
+                self.stats.misses += 1
+                break
+            got = self._read(digest, tokens[i * b : (i + 1) * b])
+            if got is None:
+                break
+            out[digest] = got
+            self.stats.hits += 1
+            with self._lock:
+                if digest in self._on_disk:
+                    self._on_disk.move_to_end(digest)
+        if out:
+            self.stats.read_s.append(time.perf_counter() - start)
+        return out
+
+    def _read(self, digest: bytes, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        path = self._path(digest)
+        try:
+            with open(path, "rb") as f:
+                data = bytearray(f.read(self.file_bytes + 1))
+        except OSError:
+            self._forget(digest)
+            return None
+        view, head = memoryview(data), len(MAGIC) + 8 + 16
+        ids_end = head + 8 * self.block_size
+        ok = (len(data) == self.file_bytes
+              and zlib.crc32(view[:-_CHECK]).to_bytes(_CHECK, "little") == bytes(view[-_CHECK:])
+              and bytes(view[:head]) == MAGIC + bytes.fromhex(self.identity) + digest
+              and torch.frombuffer(data, dtype=torch.int64, count=self.block_size, offset=head).tolist()[: len(tokens)] == tokens)
+        if not ok:
+            self.stats.errors += 1
+            log.warning("kv disk: block %s failed its checks; dropped, it will be recomputed", digest.hex())
+            self._forget(digest)
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            return None
+        n_k, n_v = _numel(self.k_shape), _numel(self.v_shape)
+        kv = torch.frombuffer(data, dtype=self.dtype, count=n_k + n_v, offset=ids_end)  # shares `data`: no copy
+        return kv[:n_k].view(self.k_shape), kv[n_k:].view(self.v_shape)
+
+    # ---- session records ---------------------------------------------------------------------
+    def save_session(self, record: dict) -> None:
+        """Write a session's record behind (temporary file, fsync, rename)."""
+        if not self.healthy:
+            return
+        with self._lock:
+            self._pending += 1
+        self._writes.put(("session", record))
+
+    def delete_session(self, session_id: str) -> None:
+        with self._lock:
+            self._deleted.add(session_id)
+            self._pending += 1
+        self._writes.put(("delete", session_id))
+
+    def claim(self, session_id: str) -> bool:
+        """Make a session this server's alone, among the servers sharing the folder -> False if another
+        live server holds it. The claim is an flock on the session's lock file: the kernel releases it
+        when the holder dies, however it dies, so a session outlives its server on shared storage."""
+        self._deleted.discard(session_id)  # a new session under an id deleted earlier
+        if session_id in self._claims or not self.healthy:
+            return True
+        try:
+            fd = os.open(self.root / "sessions" / f"{session_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            self._fail(e)
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._claims[session_id] = fd
+        return True
+
+    def unclaim(self, session_id: str) -> None:
+        fd = self._claims.pop(session_id, None)
+        if fd is not None:
+            os.close(fd)  # closing the file drops its lock
+
+    def find_session(self, session_id: str) -> dict | None:
+        """A session's record, if one is on disk and parses (a server beside this one may have written it)."""
+        if not self.healthy or _RECORD_ID.fullmatch(session_id) is None or session_id in self._deleted:
+            return None
+        path = self.root / "sessions" / f"{session_id}.json"
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            self.stats.errors += 1
+            return None
+        return record if _valid_record(record) and record["id"] == session_id else None
+
+    def sessions(self) -> list[dict]:
+        """Every record that parses; one that does not is skipped with a warning."""
+        records = []
+        for path in sorted((self.root / "sessions").glob("*.json")) if self.healthy else []:
+            try:
+                record = json.loads(path.read_text())
+                if not _valid_record(record) or path.name != f"{record['id']}.json":
+                    raise ValueError("not a session record")
+                records.append(record)
+            except (OSError, ValueError, TypeError):
+                self.stats.errors += 1
+                log.warning("kv disk: session record %s does not parse; skipped", path.name)
+        return records
+
+    # ---- the writer ------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write handed over so far is on disk (or given up) -> whether it finished."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def close(self) -> None:
+        self.flush(timeout=60)
+        self._writes.put(None)
+        self._reader.shutdown(wait=True)
+        for session_id in list(self._claims):
+            self.unclaim(session_id)
+
+    def _write_loop(self) -> None:
+        while (job := self._writes.get()) is not None:
+            try:
+                if self.healthy:
+                    self._do(job)
+            except OSError as e:
+                self._fail(e)
+            except Exception:  # a bug here must not stop the writer, nor serving
+                log.exception("kv disk writer")
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def _do(self, job: tuple) -> None:
+        kind = job[0]
+        if kind == "session":
+            record = job[1]
+            if record["id"] in self._deleted:
+                return
+            _write_atomic(self.root / "sessions" / f"{record['id']}.json", json.dumps(record).encode(), sync=True)
+        elif kind == "delete":
+            (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
+            self.unclaim(job[1])
+        else:
+            _, digest, tokens, k, v = job
+            if digest in self._on_disk or self.file_bytes > self.budget:
+                return
+            start = time.perf_counter()
+            self._make_room()
+            ids = torch.tensor(tokens + [0] * (self.block_size - len(tokens)), dtype=torch.int64)
+            parts = [MAGIC + bytes.fromhex(self.identity) + digest, ids.numpy().data,
+                     k.contiguous().view(torch.uint8).numpy().data, v.contiguous().view(torch.uint8).numpy().data]
+            crc = 0
+            for part in parts:
+                crc = zlib.crc32(part, crc)
+            path = self._path(digest)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
+            with self._lock:
+                self._on_disk[digest] = None
+            self.stats.writes += 1
+            self.stats.write_s.append(time.perf_counter() - start)
+
+    def _make_room(self) -> None:
+        """The budget is a hard bound: the least recently used blocks go first."""
+        while (len(self._on_disk) + 1) * self.file_bytes > self.budget and self._on_disk:
+            with self._lock:
+                digest, _ = self._on_disk.popitem(last=False)
+            self._path(digest).unlink(missing_ok=True)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _path(self, digest: bytes) -> Path:
+        h = digest.hex()
+        return self.root / "blocks" / h[:2] / h[2:4] / h
+
+    def _scan(self) -> None:
+        found = []
+        for path in (self.root / "blocks").glob("*/*/*"):
+            if path.name.endswith(".tmp"):
+                path.unlink(missing_ok=True)  # a write cut short
+                continue
+            try:
+                found.append((path.stat().st_mtime, bytes.fromhex(path.name)))
+            except (OSError, ValueError):
+                continue
+        for _, digest in sorted(found):
+            self._on_disk[digest] = None
+
+    def _forget(self, digest: bytes) -> None:
+        with self._lock:
+            self._on_disk.pop(digest, None)
+
+    def _fail(self, error: OSError) -> None:
+        self.stats.errors += 1
+        if self.healthy:
+            log.warning("kv disk %s failed (%s); serving goes on from RAM only", self.root, error)
+        self.healthy = False
+
+    def info(self) -> dict:
+        return {"path": str(self.root), "healthy": self.healthy, "blocks": len(self._on_disk),
+                "bytes": len(self._on_disk) * self.file_bytes, "budget": self.budget, "pending_writes": self._pending,
+                "hits": self.stats.hits, "misses": self.stats.misses, "errors": self.stats.errors}
+
+
+def _valid_record(r) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("id"), str) and _RECORD_ID.fullmatch(r["id"]) is not None
+            and isinstance(r.get("tokens"), list) and all(type(t) is int and t >= 0 for t in r["tokens"])
+            and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
+            and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _write_atomic(path: Path, data: bytes | list, sync: bool = False) -> None:
+    """Write `data` (bytes, or buffers written in turn, never joined) to a temporary file, then rename it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two servers on one folder never share one
+    with open(tmp, "wb") as f:
+        for part in data if isinstance(data, list) else [data]:
+            f.write(part)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+

@@ -59,7 +59,8 @@ def start(
                    for i in range(n)]
         return engine.submit_choices(prompt, choices, owner)
     if session_id is not None:
-        session, temporary = engine.session(session_id, owner), False
+        with engine.lock:  # a session another server left on the shared --kv-disk joins the store here
+            session, temporary = engine.session(session_id, owner), False
     else:  # a temporary session is sized to its request: a dynamic one, bounded by the context (--max-model-len)
         session, temporary = engine.create_session(engine.max_context, "dynamic", owner, persistent=False), True
     try:

@@ -249,7 +249,9 @@ function renderStatus(s) {
     `<span class="used" style="width:${pct(used, p.blocks)}"></span>`;
   $("#pool-text").textContent = `used ${mib(used * p.block_bytes)} · cached, free to evict ${mib(p.cached_blocks * p.block_bytes)} · ` +
     `free ${mib(p.free_blocks * p.block_bytes)} of ${mib(p.budget_bytes)} · prefix-cache hit rate ` +
-    (p.prefix_cache_hit_rate === null ? "-" : (100 * p.prefix_cache_hit_rate).toFixed(1) + "%");
+    (p.prefix_cache_hit_rate === null ? "-" : (100 * p.prefix_cache_hit_rate).toFixed(1) + "%") + " · disk tier: " +
+    (s.disk === null ? "off" : s.disk.healthy ? `${s.disk.blocks} blocks, ${mib(s.disk.bytes)} of ${mib(s.disk.budget)}, ` +
+      `${s.disk.hits} read back` : "failed, RAM only");
   $("#requests-text").textContent = `${s.requests.running} running · ${s.requests.waiting} queued · ` +
     `last step: ${s.steps.last_step_sessions} sessions, ${s.steps.last_step_tokens} tokens`;
   $("#tps-text").textContent = `${s.steps.tokens_per_s_last_minute} tokens/s on average`;

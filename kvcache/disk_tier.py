@@ -157,13 +157,17 @@ class DiskTier:
             return
         with self._lock:
             self._pending += 1
-        self._writes.put(("session", record))
+        self._writes.put(("session", {**record, "identity": self.identity}))
 
     def delete_session(self, session_id: str) -> None:
         with self._lock:
             self._deleted.add(session_id)
             self._pending += 1
         self._writes.put(("delete", session_id))
+
+    def _ours(self, record) -> bool:
+        """A record that parses as one, written for this model identity."""
+        return _valid_record(record) and record.get("identity") == self.identity
 
     def claim(self, session_id: str) -> bool:
         """Make a session this server's alone, among the servers sharing the folder -> False if another
@@ -202,7 +206,7 @@ class DiskTier:
         except (OSError, ValueError):
             self.stats.errors += 1
             return None
-        return record if _valid_record(record) and record["id"] == session_id else None
+        return record if self._ours(record) and record["id"] == session_id else None
 
     def sessions(self) -> list[dict]:
         """Every record that parses; one that does not is skipped with a warning."""
@@ -210,7 +214,7 @@ class DiskTier:
         for path in sorted((self.root / "sessions").glob("*.json")) if self.healthy else []:
             try:
                 record = json.loads(path.read_text())
-                if not _valid_record(record) or path.name != f"{record['id']}.json":
+                if not self._ours(record) or path.name != f"{record['id']}.json":
                     raise ValueError("not a session record")
                 records.append(record)
             except (OSError, ValueError, TypeError):
@@ -324,7 +328,8 @@ def _valid_record(r) -> bool:
     return (isinstance(r, dict) and isinstance(r.get("id"), str) and _RECORD_ID.fullmatch(r["id"]) is not None
             and isinstance(r.get("tokens"), list) and all(type(t) is int and t >= 0 for t in r["tokens"])
             and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
-            and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"])
+            and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"]
+            and (r.get("expires") is None or type(r["expires"]) in (int, float)))
 
 
 def _numel(shape: tuple[int, ...]) -> int:

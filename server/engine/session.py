@@ -87,7 +87,7 @@ class Session:
     def record(self) -> dict:
         """What the disk tier keeps of a persistent session (its KV blocks are kept by content)."""
         return {"id": self.id, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
-                "owner": self.owner}
+                "owner": self.owner, "expires": None}  # sessions live until deleted: no expiry yet
 
     def info(self) -> dict:
         return {

@@ -79,7 +79,10 @@ class DiskTier:
             self._scan()
         except OSError as e:
             self._fail(e)
-        others = [p.name for p in Path(root).iterdir() if p.is_dir() and p.name != self.identity] if Path(root).is_dir() else []
+        try:
+            others = [p.name for p in Path(root).iterdir() if p.is_dir() and p.name != self.identity]
+        except OSError:
+            others = []
         if others:
             log.warning("kv disk %s also holds KV of %d other model identities; it is never reused here", root, len(others))
         self._writer = threading.Thread(target=self._write_loop, name="kvserve-disk-writer", daemon=True)

@@ -199,7 +199,7 @@ class BlockPool:
                 self.k[block].copy_(k)
                 self.v[block].copy_(v)
                 self.record(block, tokens[i * b : (i + 1) * b])
-                self._block_of[digest], self._hash_of[block] = block, digest
+                self.publish(block, digest)
                 blocks.append(block)
                 continue
             if self.ids[block * b : (block + 1) * b] != array("q", tokens[i * b : (i + 1) * b]):

@@ -20,6 +20,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -47,7 +48,6 @@ class TierStats:
 
     hits: int = 0  # blocks read back for a prefix
     misses: int = 0  # blocks looked up and not on disk
-    writes: int = 0
     errors: int = 0  # I/O failures and files that failed their checks
     read_s: list[float] = field(default_factory=list)  # per read-back (one request's blocks), drained
     write_s: list[float] = field(default_factory=list)  # per block written, drained
@@ -97,16 +97,13 @@ class DiskTier:
         """Write a full block behind (the caller hands over copies), unless it is on disk already."""
         if not self.healthy or digest in self._on_disk:
             return
-        with self._lock:
-            self._pending += 1
-        self._writes.put(("block", digest, list(tokens), k, v))
+        self._enqueue(("block", digest, list(tokens), k, v))
 
     def prefetch(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> Future:
         """Read back, on the reader thread, the blocks of `hashes` (chained hashes of `tokens`'s full
         blocks) that are on disk, from the first one on, up to the first missing or bad one ->
         a future of {digest: (k, v)}."""
-        wanted = list(hashes)
-        return self._reader.submit(self._read_prefix, wanted, list(tokens))
+        return self._reader.submit(self._read_prefix, list(hashes), list(tokens))
 
     def _read_prefix(self, hashes: list[bytes], tokens: list[int]) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
         start, out, b = time.perf_counter(), {}, self.block_size
@@ -149,7 +146,7 @@ class DiskTier:
             except OSError:
                 pass
             return None
-        n_k, n_v = _numel(self.k_shape), _numel(self.v_shape)
+        n_k, n_v = math.prod(self.k_shape), math.prod(self.v_shape)
         kv = torch.frombuffer(data, dtype=self.dtype, count=n_k + n_v, offset=ids_end)  # shares `data`: no copy
         return kv[:n_k].view(self.k_shape), kv[n_k:].view(self.v_shape)
 
@@ -158,19 +155,19 @@ class DiskTier:
         """Write a session's record behind (temporary file, fsync, rename)."""
         if not self.healthy:
             return
-        with self._lock:
-            self._pending += 1
-        self._writes.put(("session", {**record, "identity": self.identity}))
+        self._enqueue(("session", {**record, "identity": self.identity}))
 
     def delete_session(self, session_id: str) -> None:
-        with self._lock:
-            self._deleted.add(session_id)
-            self._pending += 1
-        self._writes.put(("delete", session_id))
+        self._deleted.add(session_id)
+        self._enqueue(("delete", session_id))
 
-    def _ours(self, record) -> bool:
-        """A record that parses as one, written for this model identity."""
-        return _valid_record(record) and record.get("identity") == self.identity
+    def _record_at(self, path: Path) -> dict:
+        """The session record in `path` -> raises OSError, or ValueError unless it parses as one and was
+        written for this model identity."""
+        record = json.loads(path.read_text())
+        if not _valid_record(record) or record.get("identity") != self.identity:
+            raise ValueError("not a session record of this model identity")
+        return record
 
     def claim(self, session_id: str) -> bool:
         """Make a session this server's alone, among the servers sharing the folder -> False if another
@@ -201,31 +198,35 @@ class DiskTier:
         """A session's record, if one is on disk and parses (a server beside this one may have written it)."""
         if not self.healthy or _RECORD_ID.fullmatch(session_id) is None or session_id in self._deleted:
             return None
-        path = self.root / "sessions" / f"{session_id}.json"
         try:
-            record = json.loads(path.read_text())
+            record = self._record_at(self.root / "sessions" / f"{session_id}.json")
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             self.stats.errors += 1
             return None
-        return record if self._ours(record) and record["id"] == session_id else None
+        return record if record["id"] == session_id else None
 
     def sessions(self) -> list[dict]:
         """Every record that parses; one that does not is skipped with a warning."""
         records = []
         for path in sorted((self.root / "sessions").glob("*.json")) if self.healthy else []:
             try:
-                record = json.loads(path.read_text())
-                if not self._ours(record) or path.name != f"{record['id']}.json":
-                    raise ValueError("not a session record")
+                record = self._record_at(path)
+                if path.name != f"{record['id']}.json":
+                    raise ValueError("a record under another session's name")
                 records.append(record)
-            except (OSError, ValueError, TypeError):
+            except (OSError, ValueError):
                 self.stats.errors += 1
                 log.warning("kv disk: session record %s does not parse; skipped", path.name)
         return records
 
     # ---- the writer ------------------------------------------------------------------------
+    def _enqueue(self, job: tuple) -> None:
+        with self._lock:
+            self._pending += 1
+        self._writes.put(job)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every write handed over so far is on disk (or given up) -> whether it finished."""
         with self._idle:
@@ -283,7 +284,6 @@ class DiskTier:
             _write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
             with self._lock:
                 self._on_disk[digest] = None
-            self.stats.writes += 1
             self.stats.write_s.append(time.perf_counter() - start)
 
     def _make_room(self) -> None:
@@ -333,13 +333,6 @@ def _valid_record(r) -> bool:
             and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
             and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"]
             and (r.get("expires") is None or type(r["expires"]) in (int, float)))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _write_atomic(path: Path, data: bytes | list, sync: bool = False) -> None:

@@ -45,7 +45,7 @@ class Metrics:
         self.prefix_queries = counter("kvserve:prefix_cache_queries", "Prompt tokens looked up in the KV (sessions and prefix cache)")
         self.prefix_hits = counter("kvserve:prefix_cache_hits", "Prompt tokens found in the KV, not prefilled")
         self.prefix_mismatches = counter("kvserve:prefix_cache_mismatches", "Prefix hits refused: a cached block's token ids were not the request's (a bug; the block was recomputed)")
-        self._mismatches_seen = 0
+        self._seen: dict[str, int] = {}  # a running total's value when its counter last moved
         self.disk_blocks = gauge("kvserve:kv_disk_blocks", "KV blocks in the disk tier")
         self.disk_bytes = gauge("kvserve:kv_disk_bytes", "Bytes of KV blocks in the disk tier")
         self.disk_healthy = gauge("kvserve:kv_disk_healthy", "1 while the disk tier works; 0 once it failed (RAM only)")
@@ -54,7 +54,6 @@ class Metrics:
         self.disk_errors = counter("kvserve:kv_disk_errors", "Disk tier I/O failures and blocks or records that failed their checks")
         self.disk_read = hist("kvserve:kv_disk_read_seconds", "Time to read back one request's blocks from disk", _IO)
         self.disk_write = hist("kvserve:kv_disk_write_seconds", "Time to write one KV block behind", _IO)
-        self._disk_seen = (0, 0, 0)
         self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
 
@@ -79,18 +78,21 @@ class Metrics:
         self.prefix_totals[1] += prefix_hits
         self.prompt_tokens.inc(prefix_queries - prefix_hits)
 
+    def _advance(self, name: str, counter, total: int) -> None:
+        """Move a counter up to a running total kept elsewhere (the pool's, the disk tier's)."""
+        counter.inc(total - self._seen.get(name, 0))
+        self._seen[name] = total
+
     def pool_mismatches(self, total: int) -> None:
         """The pool's running count of refused prefix hits."""
-        self.prefix_mismatches.inc(total - self._mismatches_seen)
-        self._mismatches_seen = total
+        self._advance("mismatches", self.prefix_mismatches, total)
 
     def disk(self, tier) -> None:
         """The disk tier's counts since the last call."""
         st = tier.stats
-        seen, self._disk_seen = self._disk_seen, (st.hits, st.misses, st.errors)
-        self.disk_hits.inc(st.hits - seen[0])
-        self.disk_misses.inc(st.misses - seen[1])
-        self.disk_errors.inc(st.errors - seen[2])
+        self._advance("disk_hits", self.disk_hits, st.hits)
+        self._advance("disk_misses", self.disk_misses, st.misses)
+        self._advance("disk_errors", self.disk_errors, st.errors)
         while st.read_s:
             self.disk_read.observe(st.read_s.pop())
         while st.write_s:

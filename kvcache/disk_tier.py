@@ -302,7 +302,7 @@ class DiskTier:
         found = []
         for path in (self.root / "blocks").glob("*/*/*"):
             if path.name.endswith(".tmp"):
-                path.unlink(missing_ok=True)  # a write cut short
+                # a write in progress, perhaps by another live server on the folder: never ours to delete
                 continue
             try:
                 found.append((path.stat().st_mtime, bytes.fromhex(path.name)))

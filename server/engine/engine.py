@@ -206,7 +206,7 @@ class Engine:
         return req
 
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-                constraint: Constraint | None) -> Sequence:
+                constraint: Constraint | None, fetch: bool = True) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -221,7 +221,7 @@ class Engine:
                        kept=turn.kept, sink=self._post, constraint=constraint)
         session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
-        req.fetch = self.pool.prefetch(session)
+        req.fetch = self.pool.prefetch(session) if fetch else None
         self.scheduler.add(req)
         self._update_gauges()
         return req
@@ -257,7 +257,8 @@ class Engine:
             with self.lock:
                 self.scheduler.check_room(len(params))
                 for session, p, constraint in zip(sessions, params, constraints):
-                    req = self._submit(session, prompt, p, True, constraint)
+                    # only the first choice reads the prompt back from disk: the others fork its KV
+                    req = self._submit(session, prompt, p, True, constraint, fetch=not reqs)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
         except Exception:

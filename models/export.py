@@ -203,6 +203,8 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
     forward = _program(folder, meta)
     config = ModelConfig.from_json((folder / "config.json").read_text())
 
+    # a trusted folder's recorded hashes went unchecked, so its fingerprint hashes the files themselves
+    hashes = {f: sha256_of(folder / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)} if trusted else meta["sha256"]
     return LoadedModel(
         config=config,
         forward=forward,
@@ -210,15 +212,16 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
         name=meta["name"],
         dtype=getattr(torch, meta["dtype"]),
         weights=meta.get("weights", "f32"),
-        fingerprint=fingerprint(folder, meta),
+        fingerprint=fingerprint(folder, hashes),
     )
 
 
-def fingerprint(folder: Path, meta: dict | None = None) -> str:
-    """What an artifact's KV depends on, as one hash: its program and weights (by the hashes kvserve.json
-    records), its config, and its tokenizer's files (the chat template included)."""
-    meta = meta or json.loads((Path(folder) / "kvserve.json").read_text())
-    h = hashlib.sha256(json.dumps(meta.get("sha256", {}), sort_keys=True).encode())
+def fingerprint(folder: Path, hashes: dict | None = None) -> str:
+    """What an artifact's KV depends on, as one hash: its program and weights (by their SHA-256, as
+    kvserve.json records them unless `hashes` are given), its config, and its tokenizer's files (the
+    chat template included)."""
+    hashes = hashes if hashes is not None else json.loads((Path(folder) / "kvserve.json").read_text())["sha256"]
+    h = hashlib.sha256(json.dumps(hashes, sort_keys=True).encode())
     for f in sorted(Path(folder).iterdir()):
         if f.is_file() and f.name not in (PROGRAM_FILE, WEIGHTS_FILE, "kvserve.json"):
             h.update(f.name.encode() + f.read_bytes())

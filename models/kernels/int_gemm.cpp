@@ -1,7 +1,7 @@
 // The batched path of the block matmuls (quant_matmul.cpp takes it from BATCH_ROWS rows on): the same
 // int16-activation by integer-weight products as the few-row path, laid out as a GEMM.
 //
-// Contract: pack_panels(w: [N, K/32 * block bytes] Q4_1 or Q8_0 rows) -> panels [P, K/32, PANEL_BYTES]
+// Contract: pack_panels(w: [N, K/32 * block bytes] Q4_1 or Q8_0 rows) -> panels [P, K/32, PANEL_BLOCK]
 // uint8; int_linear(xq: M activation rows quantized per block of 32 to int16 (quantize_rows), w, panels,
 // out: float32 [M, N]). The panels are the model's, made once when it loads, and passed to every call:
 // nothing here outlives the tensors it is given.

@@ -30,8 +30,8 @@ class ModelRunner:
         self._masks.shutdown(wait=True)
 
     def warm_up(self, layout: CacheConfig) -> None:
-        """One throwaway forward before serving: batched kernels pack their weights on first use (about
-        a second of both cores for the default model), which no request should wait behind."""
+        """One throwaway forward before serving: fbgemm packs f16 weights on their first use, and the first
+        forward at batch size faults in its buffers; no request should wait behind either."""
         n = min(WARM_UP_TOKENS, self.model.config.max_context)
         self.registry.install(WARM_UP_KEY, SessionCache(dataclasses.replace(layout, capacity=n)))
         try:

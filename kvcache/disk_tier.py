@@ -72,6 +72,7 @@ class DiskTier:
         self._idle = threading.Condition(self._lock)
         self._claims: dict[str, int] = {}  # session id -> the open, flock-ed lock file that makes it ours
         self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
+        self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
         try:
             (self.root / "blocks").mkdir(parents=True, exist_ok=True)
             (self.root / "sessions").mkdir(exist_ok=True)
@@ -159,6 +160,7 @@ class DiskTier:
 
     def delete_session(self, session_id: str) -> None:
         self._deleted.add(session_id)
+        self._let_go(session_id)
         self._enqueue(("delete", session_id))
 
     def _record_at(self, path: Path) -> dict:
@@ -174,6 +176,8 @@ class DiskTier:
         live server holds it. The claim is an flock on the session's lock file: the kernel releases it
         when the holder dies, however it dies, so a session outlives its server on shared storage."""
         self._deleted.discard(session_id)  # a new session under an id deleted earlier
+        with self._lock:
+            self._letting_go.discard(session_id)  # ours again: the writer keeps the lock it was to drop
         if session_id in self._claims or not self.healthy:
             return True
         try:
@@ -188,6 +192,15 @@ class DiskTier:
             return False
         self._claims[session_id] = fd
         return True
+
+    def release(self, session_id: str) -> None:
+        """Let the session go, once the writes handed over before are on disk: another server may claim it."""
+        self._let_go(session_id)
+        self._enqueue(("release", session_id))
+
+    def _let_go(self, session_id: str) -> None:
+        with self._lock:
+            self._letting_go.add(session_id)
 
     def unclaim(self, session_id: str) -> None:
         fd = self._claims.pop(session_id, None)
@@ -264,9 +277,14 @@ class DiskTier:
             if record["id"] in self._deleted:
                 return
             _write_atomic(self.root / "sessions" / f"{record['id']}.json", json.dumps(record).encode(), sync=True)
-        elif kind == "delete":
-            (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
-            self.unclaim(job[1])
+        elif kind in ("delete", "release"):
+            if kind == "delete":
+                (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
+            with self._lock:
+                drop = job[1] in self._letting_go
+                self._letting_go.discard(job[1])
+            if drop:
+                self.unclaim(job[1])
         else:
             _, digest, tokens, k, v = job
             if digest in self._on_disk or self.file_bytes > self.budget:
@@ -332,7 +350,7 @@ def _valid_record(r) -> bool:
             and isinstance(r.get("tokens"), list) and all(type(t) is int and t >= 0 for t in r["tokens"])
             and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
             and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"]
-            and (r.get("expires") is None or type(r["expires"]) in (int, float)))
+            and all(r.get(k) is None or type(r[k]) in (int, float) for k in ("expires", "used_at")))
 
 
 def _write_atomic(path: Path, data: bytes | list, sync: bool = False) -> None:

@@ -47,10 +47,42 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-disk-budget", type=parse_bytes, default=d.kv_disk_budget, help="bytes of KV blocks on disk")
     p.add_argument("--default-max-tokens", type=int, default=None,
                    help="cap on the reply of a request that names no max_tokens (default: what fits in its session)")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="persistent sessions the server holds in RAM")
+    p.add_argument("--session-ttl", type=float, default=d.session_ttl,
+                   help="seconds an idle session stays in RAM; then it moves to --kv-disk, or is removed")
+    p.add_argument("--session-disk-ttl", type=float, default=d.session_disk_ttl,
+                   help="seconds a session moved to --kv-disk stays there, unused, before it is deleted")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds a request may take from arrival; queued past it: 408, running: it ends (finish reason timeout)")
+    p.add_argument("--max-sessions-per-key", type=int, default=None,
+                   help=f"sessions one tenant may hold (default with keys or --tenant-header: 1/{SESSION_SHARE} of --max-sessions)")
+    p.add_argument("--max-running-per-key", type=int, default=None,
+                   help=f"requests one tenant may have running (default with keys or --tenant-header: 1/{SLOT_SHARE} of --max-running)")
+    p.add_argument("--max-queued-per-key", type=int, default=None,
+                   help=f"requests one tenant may have queued (default with keys or --tenant-header: 1/{SLOT_SHARE} of --max-queued)")
+    p.add_argument("--tenant-weights", default="", metavar="NAME=W,...",
+                   help="shares of served tokens: NAME is an API key or a --tenant-header value; others weigh 1")
+
+
+SESSION_SHARE, SLOT_SHARE = 4, 2  # a tenant's default share of the server's sessions, and of its slots
 
 
 def _engine_config(args) -> EngineConfig:
+    keys = tuple(getattr(args, "api_key", None) or ())
+    tenants = bool(keys or getattr(args, "tenant_header", None))  # else every client is the one tenant
+
+    def share(own, total, parts):
+        return own if own is not None or not tenants else max(1, total // parts)
+
     return EngineConfig(
+        max_sessions=args.max_sessions,
+        max_sessions_per_key=share(args.max_sessions_per_key, args.max_sessions, SESSION_SHARE),
+        max_running_per_key=share(args.max_running_per_key, args.max_running, SLOT_SHARE),
+        max_queued_per_key=share(args.max_queued_per_key, args.max_queued, SLOT_SHARE),
+        tenant_weights=_tenant_weights(args.tenant_weights, keys),
+        session_ttl=args.session_ttl,
+        session_disk_ttl=args.session_disk_ttl,
+        request_timeout=args.request_timeout,
         session_capacity=args.session_capacity,
         max_model_len=args.max_model_len,
         session_sizing=Sizing(args.session_sizing),
@@ -63,6 +95,25 @@ def _engine_config(args) -> EngineConfig:
         kv_disk=args.kv_disk,
         kv_disk_budget=args.kv_disk_budget,
     )
+
+
+def _tenant_weights(text: str, keys: tuple[str, ...]) -> tuple[tuple[str, float], ...]:
+    """'k1=2,team-a=0.5' -> (owner id, weight) for each way a request may act as that name: as the API key
+    itself, or as a tenant a gateway names under any of the keys (or from a trusted proxy)."""
+    from .engine.session import owner_id, principal
+
+    weights = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, eq, value = item.rpartition("=")
+        try:
+            weight = float(value)
+        except ValueError:
+            weight = 0.0
+        if not eq or not name or weight <= 0:
+            raise ValueError(f"--tenant-weights wants NAME=WEIGHT with a positive weight, got {item!r}")
+        ids = {owner_id(name), *(owner_id(principal(key, name)) for key in (*keys, None))}
+        weights += [(i, weight) for i in ids]
+    return tuple(weights)
 
 
 def cmd_fetch(args) -> int:
@@ -144,7 +195,8 @@ def cmd_serve(args) -> int:
                           trust_artifact=args.trust_artifact).result()
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
-    server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout)
+    server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                                 tenant_header=args.tenant_header, trusted_proxies=tuple(args.trusted_proxy or ()))
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
@@ -215,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", action="append", help="require this Bearer key (repeat for several keys)")
+    p.add_argument("--api-key", action="append", help="require this Bearer key (repeat for several keys); each key is a tenant")
+    p.add_argument("--tenant-header", default=None, metavar="NAME",
+                   help="a gateway's header naming the tenant (honoured under an API key, or from a --trusted-proxy)")
+    p.add_argument("--trusted-proxy", action="append", metavar="IP", help="a gateway address whose --tenant-header is honoured without a key")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=ServerConfig().max_body_bytes)
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
     p.add_argument("--log-level", default="info")

@@ -42,16 +42,35 @@ class EngineConfig:
     retry_after_s: int = 1  # what a 429 tells the client to wait
     kv_disk: str | None = None  # a folder for the disk tier: KV blocks by content and session records
     kv_disk_budget: int = 16 * 2**30  # bytes of KV blocks the disk tier may hold
+    # Per tenant (an API key, or a trusted gateway's tenant header); None: the server-wide limit
+    max_sessions_per_key: int | None = None
+    max_running_per_key: int | None = None
+    max_queued_per_key: int | None = None
+    tenant_weights: tuple[tuple[str, float], ...] = ()  # (owner id, weight): a tenant's share of served tokens
+    session_ttl: float = 3600.0  # seconds an idle session stays in RAM; then it moves to disk, or is removed
+    session_disk_ttl: float = 7 * 86400.0  # seconds a moved session's disk copy stays after that
+    request_timeout: float | None = None  # seconds a request may take, queued and running; None: no limit
 
     def __post_init__(self) -> None:
-        for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued"):
+        for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",
+                     "session_ttl", "session_disk_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_sessions_per_key", "max_running_per_key", "max_queued_per_key", "request_timeout"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if any(w <= 0 for _, w in self.tenant_weights):
+            raise ValueError("tenant weights must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         object.__setattr__(self, "session_sizing", Sizing(self.session_sizing))
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    def per_key(self, name: str) -> int:
+        """A tenant's limit: max_sessions_per_key and the like, or the server-wide one it defaults to."""
+        own = getattr(self, f"{name}_per_key")
+        return getattr(self, name) if own is None else min(own, getattr(self, name))
 
     def context(self, model_context: int) -> int:
         """The tokens a sequence may reach: --max-model-len, which may not exceed the model's context."""
@@ -67,3 +86,6 @@ class ServerConfig:
     model_name: str = "model"
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
+    # A gateway's header naming the tenant a request is for: honoured under an API key, or from these proxies
+    tenant_header: str | None = None
+    trusted_proxies: tuple[str, ...] = ()

@@ -45,6 +45,13 @@ class Overloaded(ApiError):
         super().__init__(message, param, {"Retry-After": str(retry_after_s)})
 
 
+class TimedOut(ApiError):
+    """The request's deadline (its `timeout`, or --request-timeout) passed before it started running: the
+    client's own limit, so a 4xx (schema fuzzers and proxies read a 5xx as the server's fault)."""
+
+    status, kind = 408, "timeout_error"
+
+
 class ShuttingDown(ApiError):
     status, kind = 503, "unavailable_error"
 

@@ -19,9 +19,10 @@ __all__ = ["LiveServer", "free_port", "metric", "metrics", "start_cli_server", "
 class LiveServer:
     """In-process server, so tests can also look at the engine and the cache registry."""
 
-    def __init__(self, model, engine_config: EngineConfig | None = None, api_keys=(), name="smollm2-135m-instruct"):
+    def __init__(self, model, engine_config: EngineConfig | None = None, api_keys=(), name="smollm2-135m-instruct",
+                 server_config: ServerConfig | None = None):
         self.engine = Engine(model, engine_config or EngineConfig())
-        self.app = create_app(self.engine, ServerConfig(model_name=name), frozenset(api_keys))
+        self.app = create_app(self.engine, server_config or ServerConfig(model_name=name), frozenset(api_keys))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))

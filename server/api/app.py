@@ -13,11 +13,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
-from ..errors import ApiError, PayloadTooLarge, Unauthorized
+from ..engine.session import principal
+from ..errors import ApiError, InvalidRequest, PayloadTooLarge, Unauthorized
 from . import console, misc, openai, sessions, tgi
 
 log = logging.getLogger("kvserve.app")
 PUBLIC_PATHS = {"/health"}
+MAX_TENANT_NAME = 256
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -25,26 +27,34 @@ def _error_response(err: ApiError) -> JSONResponse:
 
 
 class GuardMiddleware:
-    """Checks the API key and the body size before a request reaches any route, and reads every body as
-    JSON whatever its content type, as llama-server does: `curl -d` without a header sends a form type."""
+    """Checks the API key and the body size before a request reaches any route, names the tenant the
+    request acts for, and reads every body as JSON whatever its content type, as llama-server does:
+    `curl -d` without a header sends a form type."""
 
-    def __init__(self, app, keys: frozenset[str], max_body: int) -> None:
-        self.app, self.keys, self.max_body = app, keys, max_body
+    def __init__(self, app, keys: frozenset[str], config: ServerConfig) -> None:
+        self.app, self.keys, self.max_body = app, keys, config.max_body_bytes
+        self.tenant_header = config.tenant_header.lower() if config.tenant_header else None
+        self.proxies = frozenset(config.trusted_proxies)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        owner = None
+        key = None
         public = scope["path"] in PUBLIC_PATHS or (scope["method"] == "GET" and scope["path"] in console.PUBLIC_PAGES)
         if self.keys and not public:
             auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-            if token not in self.keys:
-                msg = "missing API key" if token is None else "invalid API key"
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+            if key not in self.keys:
+                msg = "missing API key" if key is None else "invalid API key"
                 return await _error_response(Unauthorized(msg))(scope, receive, send)
-            owner = token
-        scope.setdefault("state", {})["owner"] = owner
+        tenant = headers.get(self.tenant_header, "").strip() if self.tenant_header else ""
+        client = (scope.get("client") or ("",))[0]
+        trusted = key is not None or client in self.proxies  # anyone else could name any tenant
+        if tenant and trusted and len(tenant) > MAX_TENANT_NAME:
+            err = InvalidRequest(f"the {self.tenant_header} header is longer than {MAX_TENANT_NAME} characters")
+            return await _error_response(err)(scope, receive, send)
+        scope.setdefault("state", {})["owner"] = principal(key, tenant if tenant and trusted else None)
         kind = headers.get("content-type", "").split(";")[0].strip().lower()
         if scope["method"] in ("POST", "PUT", "PATCH") and not (kind == "application/json" or kind.endswith("+json")):
             scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k.lower() != b"content-type"]
@@ -116,5 +126,5 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
         return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
                                        "param": None, "code": 500}}, status_code=500)
 
-    app.add_middleware(GuardMiddleware, keys=api_keys, max_body=config.max_body_bytes)
+    app.add_middleware(GuardMiddleware, keys=api_keys, config=config)
     return app

@@ -10,6 +10,8 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import FileResponse
 
 from ..engine.engine import Engine
+from ..engine.session import owner_id
+from ..engine.tenants import label_of
 from ..errors import NotFound
 from . import generation
 from .schemas import ERROR_RESPONSES
@@ -37,38 +39,45 @@ async def asset(name: str) -> FileResponse:
 
 @router.get("/v1/status")
 async def status(http: HttpRequest) -> dict:
-    """Sessions (the caller's own, with API keys on), the KV pool, the queue and the last minute's steps."""
+    """What the caller may see: with API keys (or tenants) on, its own sessions, requests and figures, and
+    the pool's size; without, the whole server's too: the pool, the queue and the last minute's steps."""
     engine = generation.engine_of(http)
     with engine.lock:
         return snapshot(engine, generation.owner_of(http), http.app.state.started)
 
 
-def owner_label(owner: str | None) -> str | None:
-    """A key's name on the page: a prefix of its hash (Session.owner), never the key."""
-    return None if owner is None else "key-" + owner[:8]
-
-
-def snapshot(engine: Engine, owner: str | None, started: int) -> dict:
-    blocks, sched = engine.pool.blocks, engine.scheduler
+def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
+    blocks, sched, c = engine.pool.blocks, engine.scheduler, engine.config
+    owner = owner_id(principal)
     sessions = []
     for s in engine.sessions:
-        if not s.owned_by(owner):
+        if not s.owned_by(principal):
             continue
         req = s.busy
         # evicted: its KV went back to the pool (its history stays, and is prefilled again when it is next used)
         state = ("running" if req in sched.running else "waiting") if req is not None else (
             "evicted" if s.cache is None and s.tokens else "idle")
-        sessions.append({**s.info(), "state": state, "persistent": s.persistent, "owner": owner_label(s.owner),
+        sessions.append({**s.info(), "state": state, "persistent": s.persistent, "owner": label_of(s.owner) if s.owner is not None else None,
                          "allocated": s.cache.allocated if s.cache is not None else 0})
+    sched.tenants[owner]  # known from now on, so it has figures
+    figures = engine.tenant_figures()
+    mine = {k: v for k, v in figures[owner].items() if k != "metric_label"}
+    tenant = {**mine, "limits": {"sessions": c.per_key("max_sessions"), "running": c.per_key("max_running"),
+                                 "queued": c.per_key("max_queued"), "session_ttl_s": c.session_ttl,
+                                 "request_timeout_s": c.request_timeout}}
+    pool = {"budget_bytes": engine.pool.budget, "block_size": blocks.block_size, "block_bytes": blocks.block_bytes,
+            "blocks": blocks.n_blocks}
+    out = {"object": "status", "scope": "server" if owner is None else "tenant", "model": engine.model.name,
+           "max_context": engine.max_context, "uptime_s": round(time.time() - started, 1), "tenant": tenant,
+           "sessions": sessions}
+    if owner is not None:  # a tenant sees its own share, never the others' load
+        return {**out, "pool": {**pool, "used_blocks": -(-mine["kv_bytes"] // blocks.block_bytes)},
+                "requests": {"running": mine["running"], "waiting": mine["waiting"]}, "disk": None, "steps": None}
     queries, hits = engine.metrics.prefix_totals
     return {
-        "object": "status",
-        "model": engine.model.name,
-        "max_context": engine.max_context,
-        "uptime_s": round(time.time() - started, 1),
+        **out,
         "pool": {
-            "budget_bytes": engine.pool.budget, "block_size": blocks.block_size, "block_bytes": blocks.block_bytes,
-            "blocks": blocks.n_blocks, "used_blocks": blocks.n_used(), "reserved_blocks": blocks.reserved,
+            **pool, "used_blocks": blocks.n_used(), "reserved_blocks": blocks.reserved,
             "cached_blocks": blocks.n_cached(), "free_blocks": blocks.n_free(),
             "prefix_cache_queries": queries, "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": round(hits / queries, 4) if queries else None,
@@ -77,5 +86,6 @@ def snapshot(engine: Engine, owner: str | None, started: int) -> dict:
         "disk": engine.pool.tier.info() if engine.pool.tier is not None else None,
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
         "steps": engine.recent.summary(),
-        "sessions": sessions,
+        "tenants": sorted(({k: v for k, v in f.items() if k != "metric_label"} for f in figures.values()),
+                          key=lambda f: f["tenant"]),
     }

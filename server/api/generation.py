@@ -12,7 +12,7 @@ from fastapi import Request as HttpRequest
 
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
-from ..engine.sequence import Finished, Sequence, TokenEvent
+from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import ApiError, InvalidRequest, NotFound
 from .output_stream import OutputStream
 
@@ -46,6 +46,7 @@ def start(
     *,
     resend: bool,
     n: int = 1,
+    scheduling: Scheduling = Scheduling(),
 ) -> list[Sequence]:
     """Submit to the engine, on the named session or on a temporary one removed when done; n > 1 runs
     n choices, each on a temporary session, the prompt prefilled once and forked."""
@@ -57,14 +58,14 @@ def start(
         # choice i draws from seed + i: each choice is reproducible, and the choices differ
         choices = [params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
                    for i in range(n)]
-        return engine.submit_choices(prompt, choices, owner)
+        return engine.submit_choices(prompt, choices, owner, scheduling)
     if session_id is not None:
         with engine.lock:  # a session another server left on the shared --kv-disk joins the store here
             session, temporary = engine.session(session_id, owner), False
     else:  # a temporary session is sized to its request: a dynamic one, bounded by the context (--max-model-len)
         session, temporary = engine.create_session(engine.max_context, "dynamic", owner, persistent=False), True
     try:
-        return [engine.submit(session, prompt, params, resend)]
+        return [engine.submit(session, prompt, params, resend, scheduling)]
     except Exception:
         if temporary:
             engine.delete_session(session)

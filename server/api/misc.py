@@ -45,4 +45,4 @@ async def health(http: HttpRequest):
 
 @router.get("/metrics")
 async def metrics(http: HttpRequest) -> Response:
-    return Response(generation.engine_of(http).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(generation.engine_of(http).render_metrics(), media_type=CONTENT_TYPE_LATEST)

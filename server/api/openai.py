@@ -11,14 +11,16 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
-from ..engine.sequence import Finished, Sequence, TokenEvent
+from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest
 from . import generation, tools
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 
-OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "length", "error": "error"}
+# "timeout": the request's deadline passed while it ran (its `timeout`, or --request-timeout)
+OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout", "cancelled": "length",
+                  "error": "error"}
 
 
 def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
@@ -98,7 +100,7 @@ def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_toke
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
     return generation.start(
         http, generation.session_id_of(http, body.session_id), prompt, params,
-        resend=True, n=body.n,
+        resend=True, n=body.n, scheduling=Scheduling(body.priority, body.timeout),
     )
 
 

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TOKENS_LIMIT = 1 << 20
+Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # within the caller's tenant, lower goes first
+Timeout = Annotated[float, Field(gt=0.0, le=7 * 86400.0)]  # seconds from arrival; queued past it: 408; running: ends
 StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
 
 
@@ -63,6 +65,8 @@ class GenerateParameters(_Body):
     typical_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     watermark: bool = False
     grammar: TGIGrammar | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
 
     @model_validator(mode="after")
     def _unimplemented(self):
@@ -150,6 +154,8 @@ class _OpenAISampling(_Body):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=16)] = 1
     session_id: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions: the output matches a JSON schema, a regex, a Lark or GBNF grammar, or one of some strings
@@ -243,6 +249,7 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": text}
     for code, text in [(400, "Invalid request"), (401, "Missing or wrong API key"), (404, "Not found"),
+                       (408, "Deadline passed while queued"),
                        (409, "Session busy"), (413, "Body too large"), (429, "Server full"),
                        (500, "A model step failed"), (503, "Shutting down")]
 }

@@ -7,14 +7,15 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
-from ..engine.sequence import Finished, Sequence, TokenEvent
+from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest
 from . import generation
 from .schemas import ERROR_RESPONSES, GenerateParameters, GenerateRequest
 
 router = APIRouter(tags=["tgi"], responses=ERROR_RESPONSES)
 
-TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "cancelled": "length", "error": "length"}
+TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "timeout": "timeout",
+               "cancelled": "length", "error": "length"}
 
 
 def tgi_grammar(grammars: Grammars, p: GenerateParameters) -> str | None:
@@ -62,6 +63,7 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
         prompt,
         params,
         resend=False,
+        scheduling=Scheduling(body.parameters.priority, body.parameters.timeout),
     )[0]
 
 

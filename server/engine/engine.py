@@ -26,7 +26,8 @@ from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Scheduling, Sequence
+from .lifetimes import Lifetimes
 from .session import Session, SessionStore, Turn, owner_id
 
 log = logging.getLogger("kvserve.engine")
@@ -41,10 +42,13 @@ class Engine:
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
         layout = kv_layout(model, config.kv_dtype)
         self.pool = KVPool(registry, config.kv_budget, layout)
-        self.sessions = SessionStore(config.max_sessions)
+        self.sessions = SessionStore(config.max_sessions, config.per_key("max_sessions"), config.session_ttl,
+                                     config.session_disk_ttl)
         self.max_context = config.context(c.max_context)
+        self.lifetimes = Lifetimes(self.sessions, self.pool, self.max_context, c.vocab_size)
         if config.kv_disk is not None:
-            self._restore(self.pool.open_tier(config.kv_disk, config.kv_disk_budget, model))
+            self.pool.open_tier(config.kv_disk, config.kv_disk_budget, model)
+            self.lifetimes.restore()
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
         self.runner = ModelRunner(model, registry)  # its grammar masks are computed on a side thread
@@ -64,12 +68,14 @@ class Engine:
         self._outbox: list[tuple[asyncio.Queue, object]] = []  # events of the step loop, not yet handed over
         self._loop: asyncio.AbstractEventLoop | None = None
         self._steps: Future | None = None
+        self._sweeper: asyncio.Task | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         keep_torch_serial()  # the event loop's torch work stays off the model thread's cores
         self._loop = asyncio.get_running_loop()
         self._steps = self._worker.submit(self._step_loop)
+        self._sweeper = asyncio.ensure_future(self._sweep_loop())
 
     async def drain(self, timeout: float) -> bool:
         """Refuse new work, then wait up to `timeout` s for in-flight requests; True if all finished."""
@@ -81,6 +87,8 @@ class Engine:
 
     async def stop(self) -> None:
         self._stopping = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._wake.set()
         if self._steps is not None:
             await asyncio.wrap_future(self._steps)  # the step in flight, if any, ends first
@@ -93,38 +101,29 @@ class Engine:
         self.runner.close()
 
     # ---- sessions --------------------------------------------------------------------------
-    def _restore(self, tier) -> None:
-        """The persistent sessions a server on the same --kv-disk left: their histories, KV still on disk."""
-        held = 0
-        for record in tier.sessions():
-            if self._fits(record):
-                if tier.claim(record["id"]):
-                    self.sessions.restore(record)
-                else:
-                    held += 1  # another live server on the folder has it; it may come here once that one dies
-        log.info("kv disk %s: %d sessions restored, %d held by another server", tier.root, len(self.sessions), held)
-
-    def _fits(self, record: dict) -> bool:
-        vocab = self.model.config.vocab_size
-        if record["capacity"] > self.max_context or any(t >= vocab for t in record["tokens"]):
-            log.warning("kv disk: session %s does not fit this server; skipped", record["id"])
-            return False
-        return True
-
     def session(self, session_id: str, owner: str | None) -> Session:
-        """A persistent session by id (the caller holds the lock): one of ours, or one a server beside this
-        one left on the shared --kv-disk, taken over once no live server holds it."""
-        tier = self.pool.tier
+        """A persistent session by id (the caller holds the lock), its TTL renewed: one in RAM, or one on the
+        --kv-disk (moved there idle, or left by a server beside this one), brought back."""
         try:
-            return self.sessions.get(session_id, owner)
+            session = self.sessions.get(session_id, owner)
         except NotFound:
-            record = tier.find_session(session_id) if tier is not None else None
-            if record is None or record.get("owner") != owner_id(owner) or not self._fits(record):
+            session = self.lifetimes.take_over(session_id, owner)
+            if session is None:
                 raise
-        if not tier.claim(session_id):
-            raise Conflict(f"session {session_id!r} is held by another server on this --kv-disk; "
-                           "send its requests there, or retry once that server is gone", param="session_id")
-        return self.sessions.restore(record)
+        session.touch()
+        return session
+
+    async def _sweep_loop(self) -> None:
+        """Idle sessions past their TTL leave RAM (server/engine/lifetimes.py)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.session_ttl / 4))
+            try:
+                with self.lock:
+                    if self.lifetimes.expire(time.monotonic()):
+                        self.metrics.sessions.set(len(self.sessions))
+                        self._update_gauges()
+            except Exception:  # a bug here must not stop expiry for good, nor serving
+                log.exception("session expiry")
 
     def snapshot(self, session: Session) -> bool:
         """Write the session's record and every block handed over so far -> whether they are on disk."""
@@ -150,7 +149,7 @@ class Engine:
             tier = self.pool.tier
             if persistent and session_id is not None and tier is not None and tier.find_session(session_id) is not None:
                 raise Conflict(f"session {session_id!r} already exists", param="id")
-            session = self.sessions.create(capacity, sizing, persistent, owner, session_id)
+            session = self._new_session(capacity, sizing, persistent, owner, session_id)
             if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
                 if not self.scheduler.evict_idle(self.pool.blocks_for(capacity), keep=session):
                     self.sessions.remove(session)
@@ -161,6 +160,14 @@ class Engine:
             self.metrics.sessions.set(len(self.sessions))
         return session
 
+    def _new_session(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None,
+                     session_id: str | None) -> Session:
+        try:
+            return self.sessions.create(capacity, sizing, persistent, owner, session_id)
+        except Overloaded:
+            self.scheduler.tenants[owner_id(owner)].rejected += 1
+            raise
+
     def delete_session(self, session: Session) -> None:
         with self.lock:
             self.sessions.check_idle(session)
@@ -168,6 +175,7 @@ class Engine:
             self.pool.forget(session)
             self.sessions.remove(session)
             self.metrics.sessions.set(len(self.sessions))
+            self._update_gauges()
 
     def fork_session(self, parent: Session, owner: str | None, session_id: str | None = None) -> Session:
         """A new session with the parent's history, sharing its KV blocks until either side writes."""
@@ -175,7 +183,7 @@ class Engine:
             raise ShuttingDown("server is shutting down")
         with self.lock:
             self.sessions.check_idle(parent)
-            child = self.sessions.create(parent.capacity, parent.sizing, True, owner, session_id)
+            child = self._new_session(parent.capacity, parent.sizing, True, owner, session_id)
             child.tokens = list(parent.tokens)
             if parent.cache is not None:
                 try:
@@ -193,7 +201,8 @@ class Engine:
             self.pool.persist(session)
 
     # ---- requests --------------------------------------------------------------------------
-    def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool) -> Sequence:
+    def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
+               scheduling: Scheduling = Scheduling()) -> Sequence:
         """Validate and enqueue; nothing about the session changes unless the request is accepted.
 
         resend=True: `prompt` is the whole conversation (OpenAI clients); the session keeps the
@@ -201,12 +210,12 @@ class Engine:
         the session's history."""
         constraint = self.grammars.matcher(params.grammar)
         with self.lock:
-            req = self._submit(session, prompt, params, resend, constraint)
+            req = self._submit(session, prompt, params, resend, constraint, scheduling)
         self._wake.set()
         return req
 
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-                constraint: Constraint | None, fetch: bool = True) -> Sequence:
+                constraint: Constraint | None, scheduling: Scheduling, fetch: bool = True) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -216,9 +225,10 @@ class Engine:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="prompt")
         turn = session.resend(prompt) if resend else session.continue_with(prompt)
         params = self._check(session, turn, params)
-        self.scheduler.check_room()  # a 429 must come before anything about the session changes
+        self.scheduler.check_room(session.owner)  # a 429 must come before anything about the session changes
+        timeout = min((t for t in (scheduling.timeout, self.config.request_timeout) if t is not None), default=None)
         req = Sequence(session, params, prompt_tokens=turn.prompt_tokens, history_before=list(session.tokens),
-                       kept=turn.kept, sink=self._post, constraint=constraint)
+                       kept=turn.kept, sink=self._post, constraint=constraint, priority=scheduling.priority, timeout=timeout)
         session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
         req.fetch = self.pool.prefetch(session) if fetch else None
@@ -247,7 +257,8 @@ class Engine:
             raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
         return params
 
-    def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None) -> list[Sequence]:
+    def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
+                       scheduling: Scheduling = Scheduling()) -> list[Sequence]:
         """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
         others fork its KV once that is cached (kept out of the queue's way until then)."""
         sessions = [self.create_session(self.max_context, "dynamic", owner, persistent=False) for _ in params]
@@ -255,10 +266,10 @@ class Engine:
         try:
             constraints = [self.grammars.matcher(p.grammar) for p in params]
             with self.lock:
-                self.scheduler.check_room(len(params))
+                self.scheduler.check_room(owner_id(owner), len(params))
                 for session, p, constraint in zip(sessions, params, constraints):
                     # only the first choice reads the prompt back from disk: the others fork its KV
-                    req = self._submit(session, prompt, p, True, constraint, fetch=not reqs)
+                    req = self._submit(session, prompt, p, True, constraint, scheduling, fetch=not reqs)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
         except Exception:
@@ -342,6 +353,16 @@ class Engine:
         if self.pool.tier is not None:
             self.metrics.disk(self.pool.tier)
         self.metrics.sessions.set(len(self.sessions))
+
+    def tenant_figures(self) -> dict[str | None, dict]:
+        """Every tenant's figures, by owner id (the caller holds the lock)."""
+        s = self.scheduler
+        return s.tenants.figures(s.running, s.waiting, self.sessions)
+
+    def render_metrics(self) -> bytes:
+        with self.lock:
+            self.metrics.tenants(self.tenant_figures())
+        return self.metrics.render()
 
     def _update_gauges(self) -> None:
         blocks = self.pool.blocks

@@ -56,6 +56,18 @@ class Metrics:
         self.disk_write = hist("kvserve:kv_disk_write_seconds", "Time to write one KV block behind", _IO)
         self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
+        # per tenant: labelled by a short hash of its key, the tenants past the first few as "other"
+        by_tenant = ["model_name", "tenant"]
+        self._tenant_gauges = {
+            "running": Gauge("kvserve:tenant_requests_running", "A tenant's requests in the running set", by_tenant, registry=r),
+            "waiting": Gauge("kvserve:tenant_requests_waiting", "A tenant's requests waiting for admission", by_tenant, registry=r),
+            "sessions": Gauge("kvserve:tenant_sessions", "A tenant's persistent sessions in RAM", by_tenant, registry=r),
+            "kv_bytes": Gauge("kvserve:tenant_kv_usage_bytes", "Bytes of the KV pool a tenant's sessions hold", by_tenant, registry=r),
+        }
+        self._tenant_counters = {
+            "tokens_served": Counter("kvserve:tenant_tokens_served", "Tokens served to a tenant: prompt tokens prefilled and tokens decoded", by_tenant, registry=r),
+            "rejected": Counter("kvserve:tenant_requests_rejected", "A tenant's requests and sessions refused with 429", by_tenant, registry=r),
+        }
 
     def observe(self, retired, preemptions: int, evictions: int, prefix_queries: int, prefix_hits: int) -> None:
         """What the steps since the last call finished and counted."""
@@ -101,6 +113,19 @@ class Metrics:
         self.disk_blocks.set(info["blocks"])
         self.disk_bytes.set(info["bytes"])
         self.disk_healthy.set(1 if tier.healthy else 0)
+
+    def tenants(self, figures: dict) -> None:
+        """Per-tenant figures (Tenants.figures), summed by label."""
+        by_label: dict[str, dict] = {}
+        for fig in figures.values():
+            total = by_label.setdefault(fig["metric_label"], dict.fromkeys([*self._tenant_gauges, *self._tenant_counters], 0))
+            for name in total:
+                total[name] += fig[name]
+        for label, total in by_label.items():
+            for name, gauge in self._tenant_gauges.items():
+                gauge.labels(self.model_name, label).set(total[name])
+            for name, counter in self._tenant_counters.items():
+                self._advance(f"{name}:{label}", counter.labels(self.model_name, label), total[name])
 
     def gauges(self, kv_used: int, kv_budget: int, kv_cached: int, running: int, waiting: int) -> None:
         self.kv_bytes.set(kv_used)

@@ -1,12 +1,16 @@
 """Continuous batching: which requests run in the next step, within token, session and KV budgets.
 
-Requests are served first come, first served. Each step first gives every running decode its one
-token, so streams keep pace however many prompts wait; the rest of the token budget goes to prefill
-chunks, of running requests (oldest first) and then of waiting ones as they are admitted. An admitted
-request's session starts from the longest cached prefix of its history (or from its parent's KV, for
-the choices of one `n` > 1 request), so only the rest is prefilled. KV blocks come from the pool's free
-and cached blocks, then from evicting idle sessions (least recently used first) and, failing that,
-from preempting the youngest running request, whose KV is dropped and recomputed later.
+Each step first gives every running decode its one token, so streams keep pace however many prompts
+wait; the rest of the token budget goes to prefill chunks, of running requests (oldest first) and then
+of waiting ones as they are admitted. Waiting requests are admitted fairly between tenants: the one
+whose tenant has been served the fewest (weighted) tokens goes first, by priority and then arrival
+within a tenant (server/engine/tenants.py), up to each tenant's share of the running slots. An
+admitted request's session starts from the longest cached prefix of its history (or from its parent's
+KV, for the choices of one `n` > 1 request), so only the rest is prefilled. KV blocks come from the
+pool's free and cached blocks, then from evicting idle sessions (least recently used first) and,
+failing that, from preempting the youngest running request, whose KV is dropped and recomputed later.
+A request past its deadline ends as a cancel would: with its tokens so far, or, if it never ran, with
+a timeout error that leaves its session as it was.
 """
 from __future__ import annotations
 
@@ -16,12 +20,13 @@ from collections import deque
 from kvcache import PoolExhausted, Sizing
 
 from ..config import EngineConfig
-from ..errors import Overloaded, StepFailed
+from ..errors import Overloaded, StepFailed, TimedOut
 from .batch import Chunk, StepBatch
 from .kv_pool import KVPool
 from .sampling import Sampled
 from .sequence import Sequence
 from .session import Session, SessionStore
+from .tenants import Tenants
 
 
 class Scheduler:
@@ -37,19 +42,38 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of those found in the KV
         self._retired: list[Sequence] = []
         self._in_flight: set[str] = set()  # the requests of the step being run, between schedule and postprocess
+        self.tenants = Tenants(config.tenant_weights)
 
-    def check_room(self, n: int = 1) -> None:
-        if len(self.waiting) + n > self.config.max_queued:
-            raise Overloaded(
-                f"server is full: {len(self.running)} running and {len(self.waiting)} waiting requests",
-                retry_after_s=self.config.retry_after_s,
-            )
+    def check_room(self, owner: str | None, n: int = 1) -> None:
+        """Refuse (429) only what does not fit: running slots free count as room, as the queue does."""
+        c = self.config
+        mine = sum(r.session.owner == owner for r in (*self.waiting, *self.running))
+        running, queued = c.per_key("max_running"), c.per_key("max_queued")
+        if len(self.waiting) + len(self.running) + n > c.max_running + c.max_queued:
+            self.tenants[owner].rejected += n
+            raise Overloaded(f"server is full: {len(self.running)} running and {len(self.waiting)} waiting requests",
+                             retry_after_s=c.retry_after_s)
+        if mine + n > running + queued:
+            self.tenants[owner].rejected += n
+            raise Overloaded(f"this key has {mine} requests running or queued, its limit of {running} running and "
+                             f"{queued} queued (--max-running-per-key, --max-queued-per-key)", retry_after_s=c.retry_after_s)
 
     def add(self, req: Sequence) -> None:
-        self.check_room()
+        owner = req.session.owner
+        self.check_room(owner)
+        busy = self.busy_tenants()
+        if owner not in busy:
+            self.tenants.wake(owner, busy)
         req.session.busy = req
         self.waiting.append(req)
         self.by_id[req.id] = req
+
+    def busy_tenants(self) -> set[str | None]:
+        return {r.session.owner for r in (*self.waiting, *self.running)}
+
+    def counts(self, owner: str | None) -> tuple[int, int]:
+        """A tenant's running and waiting requests."""
+        return (sum(r.session.owner == owner for r in self.running), sum(r.session.owner == owner for r in self.waiting))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,23 +95,45 @@ class Scheduler:
             fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
             if fits:
                 chunks.append(self._chunk(req, n))
+                self.tenants.charge(req.session.owner, n)
                 tokens_left -= n
-        for req in list(self.waiting):
-            if tokens_left == 0 or len(self.running) >= self.config.max_running:
+        while tokens_left > 0 and len(self.running) < self.config.max_running:
+            req = self._next_fair()
+            if req is None:
                 break
-            if req.parent is not None and not _prefilled(req.parent):
-                continue  # a choice of an n > 1 request forks its parent's prompt once that is in the cache
-            if req.fetch is not None and not req.fetch.done():
-                continue  # its KV is being read back from disk, off the step loop
             admitted = self._admit(req, tokens_left, planned, protect={c.request_id for c in chunks})
             if admitted is None:
-                break  # first come, first served: nobody overtakes a request that does not fit
+                break  # nobody overtakes the fairest request while it does not fit: it would starve
             n, planned = admitted
             chunks.append(self._chunk(req, n))
+            self.tenants.charge(req.session.owner, n)
             tokens_left -= n
         rows = tuple(self.by_id[c.request_id].sample_row() for c in chunks if c.sample)
         self._in_flight = {c.request_id for c in chunks}
         return StepBatch(tuple(chunks), rows)
+
+    def _next_fair(self) -> Sequence | None:
+        """The waiting request to admit next: a preempted one first (it ran already), then the one whose
+        tenant has the smallest counter, by priority and then arrival within the tenant."""
+        limit = self.config.per_key("max_running")
+        running: dict[str | None, int] = {}
+        for r in self.running:
+            running[r.session.owner] = running.get(r.session.owner, 0) + 1
+        best, best_key = None, None
+        for order, req in enumerate(self.waiting):
+            owner = req.session.owner
+            if running.get(owner, 0) >= limit:
+                continue  # its tenant holds its share of the running slots
+            if req.parent is not None and not _prefilled(req.parent):
+                continue  # a choice of an n > 1 request forks its parent's prompt once that is in the cache
+            if req.fetch is not None and not req.fetch.done():
+                continue  # its KV is being read back from disk, off the step loop
+            if req.admitted_at is not None:
+                return req  # preempted: back at the front, in the order it was preempted
+            key = (self.tenants[owner].counter, req.priority, order)
+            if best_key is None or key < best_key:
+                best, best_key = req, key
+        return best
 
     def _admit(self, req: Sequence, tokens_left: int, planned: int, protect: set[str]) -> tuple[int, int] | None:
         """Install the request's cache (reusing what the pool holds) and plan its first chunk -> (tokens, planned)."""
@@ -149,8 +195,16 @@ class Scheduler:
         self.preemptions += 1
 
     def _reap(self) -> None:
-        for req in [r for r in (*self.waiting, *self.running) if r.cancelled]:
-            req.finish("cancelled")
+        now = time.monotonic()
+        for req in [r for r in (*self.waiting, *self.running) if r.cancelled or r.past_deadline(now)]:
+            if req.cancelled:
+                req.finish("cancelled")
+            elif req.admitted_at is not None:
+                req.finish("timeout")  # it ran: it ends with its tokens so far, as a cancel would
+            else:
+                req.session.restore(req.history_before, min(req.session.cached_length, req.kept))
+                req.finish("error", TimedOut(f"the request's deadline of {req.timeout:g} s passed while it waited "
+                                             "for a running slot", param="timeout"))
             self.retire(req)
 
     def stop(self, req: Sequence, kept: int) -> None:

@@ -18,6 +18,14 @@ from .session import Session
 
 
 @dataclass(frozen=True)
+class Scheduling:
+    """A request's place in its tenant's queue, and how long it may take from arrival."""
+
+    priority: int = 0  # lower goes first (as vLLM's `priority`)
+    timeout: float | None = None  # seconds; None: only --request-timeout, if set
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """A sampled token and, once its OutputStream has rendered it, the text it makes final (may be empty
     while held back)."""
@@ -33,7 +41,7 @@ class TokenEvent:
 class Finished:
     """The end of a request, with its usage."""
 
-    reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
+    reason: str  # "eos" | "stop" | "length" | "timeout" (its deadline passed while it ran) | "cancelled" | "error"
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -66,6 +74,8 @@ class Sequence:
     cancelled: bool = False
     stop_at: int | None = None  # a stop string found while a step ran it: end after this many tokens, once it ends
     fetch: Future | None = None  # its history's blocks being read back from disk: it waits in the queue meanwhile
+    priority: int = 0  # within its tenant, lower goes first (as vLLM's `priority`)
+    timeout: float | None = None  # seconds from arrival to its deadline; None: none
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -80,6 +90,9 @@ class Sequence:
         self.admitted_at = time.monotonic()
         prompt_start = len(self.prompt_ids) - self.prompt_tokens  # where this request's prompt begins in the history
         self.cached_tokens = max(0, cached_length - prompt_start)
+
+    def past_deadline(self, now: float) -> bool:
+        return self.timeout is not None and now >= self.arrival + self.timeout
 
     def sample_row(self) -> SampleRow:
         return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids, self.constraint)

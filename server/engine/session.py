@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import secrets
 import time
@@ -38,7 +39,21 @@ class Session:
     tokens: list[int] = field(default_factory=list)
     cache: SessionCache | None = None  # None: evicted or never run; rebuilt by prefill
     busy: object | None = None  # the Sequence running on it, if any
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)  # renewed by each use; starts its idle TTL
+    ttl: float | None = None  # seconds it may stay idle in RAM (persistent sessions)
+    disk_ttl: float = 0.0  # seconds its disk copy stays after that
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+    def expires_in(self, now: float) -> float:
+        """Seconds until its idle TTL ends (never while a request runs on it)."""
+        return float("inf") if self.ttl is None or self.busy is not None else self.last_used + self.ttl - now
+
+    @property
+    def expires_at(self) -> float | None:
+        """Wall-clock time at which it leaves RAM unless used again."""
+        return None if self.ttl is None else time.time() + self.last_used + self.ttl - time.monotonic()
 
     @property
     def cached_length(self) -> int:
@@ -85,9 +100,12 @@ class Session:
         return self.owner == owner_id(key)
 
     def record(self) -> dict:
-        """What the disk tier keeps of a persistent session (its KV blocks are kept by content)."""
+        """What the disk tier keeps of a persistent session (its KV blocks are kept by content): `expires`
+        is when the disk copy goes, once its idle TTL and then its disk TTL have passed."""
+        used_at = time.time() + self.last_used - time.monotonic()
+        expires = None if self.ttl is None else round(used_at + self.ttl + self.disk_ttl, 3)
         return {"id": self.id, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
-                "owner": self.owner, "expires": None}  # sessions live until deleted: no expiry yet
+                "owner": self.owner, "used_at": round(used_at, 3), "expires": expires}
 
     def info(self) -> dict:
         return {
@@ -99,11 +117,18 @@ class Session:
             "bytes": self.cache.nbytes if self.cache is not None else 0,
             "resident": self.cache is not None,
             "busy": self.busy is not None,
+            "expires_at": round(self.expires_at, 3) if self.expires_at is not None else None,
         }
 
 
-def owner_id(key: str | None) -> str | None:
-    return None if key is None else hashlib.sha256(key.encode()).hexdigest()
+def owner_id(principal: str | None) -> str | None:
+    """Who owns a session, as records and metrics may show it: a hash, never the key."""
+    return None if principal is None else hashlib.sha256(principal.encode()).hexdigest()
+
+
+def principal(key: str | None, tenant: str | None = None) -> str | None:
+    """The identity a request acts as: its API key, or a tenant a trusted gateway names under its key."""
+    return key if tenant is None else f"{key or ''}\n{tenant}"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -123,29 +148,59 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{22,128}")
 class SessionStore:
     """Persistent and temporary sessions by id; ids are unguessable and scoped to their owner's key."""
 
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, per_owner: int | None = None, ttl: float | None = None,
+                 disk_ttl: float = 0.0) -> None:
         self._sessions: dict[str, Session] = {}
-        self.max_sessions = max_sessions
+        self.max_sessions, self.ttl, self.disk_ttl = max_sessions, ttl, disk_ttl
+        self.per_owner = per_owner or max_sessions
 
     def create(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None, session_id: str | None = None) -> Session:
         """A new session; `session_id` lets a client behind a hashing load balancer pick the id it routes on."""
-        if persistent and sum(s.persistent for s in self._sessions.values()) >= self.max_sessions:
-            raise Overloaded(f"the server holds its maximum of {self.max_sessions} sessions; delete some first")
+        if persistent:
+            self.check_quota(owner_id(owner))
         if session_id is not None:
             if not _CLIENT_ID.fullmatch(session_id):
                 raise InvalidRequest("a client-chosen session id must be 22 to 128 characters of A-Z a-z 0-9 _ -", param="id")
             if session_id in self._sessions:
                 raise Conflict(f"session {session_id!r} already exists", param="id")
-        session = Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner))
+        session = self._add(Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner)))
+        return session
+
+    def check_quota(self, owner: str | None) -> None:
+        """Room for one more persistent session of this owner (an owner id), or a 429 that says when one frees."""
+        persistent = [s for s in self._sessions.values() if s.persistent]
+        mine = [s for s in persistent if s.owner == owner]
+        if len(mine) >= self.per_owner and self.per_owner < self.max_sessions:
+            raise Overloaded(f"this key holds its limit of {self.per_owner} sessions (--max-sessions-per-key); delete "
+                             "some, or wait for an idle one to expire", retry_after_s=self._retry_after(mine))
+        if len(persistent) >= self.max_sessions:
+            raise Overloaded(f"the server holds its maximum of {self.max_sessions} sessions; delete some, or wait for "
+                             "an idle one to expire", retry_after_s=self._retry_after(persistent))
+
+    def _retry_after(self, sessions: list[Session]) -> int:
+        """Seconds until the first of these sessions expires (a request running on one renews it)."""
+        now = time.monotonic()
+        soonest = min((s.expires_in(now) for s in sessions), default=float("inf"))
+        return max(1, math.ceil(min(soonest, self.ttl or 1)))
+
+    def _add(self, session: Session) -> Session:
+        if session.persistent:
+            session.ttl, session.disk_ttl = self.ttl, self.disk_ttl
         self._sessions[session.id] = session
         return session
+
+    def expired(self, now: float) -> list[Session]:
+        """Idle persistent sessions past their TTL."""
+        return [s for s in self._sessions.values() if s.persistent and s.expires_in(now) <= 0]
 
     def restore(self, record: dict) -> Session:
         """A persistent session from its disk record: its history, with no KV resident yet."""
         session = Session(record["id"], int(record["capacity"]), Sizing(record["sizing"]), True, record.get("owner"),
                           tokens=[int(t) for t in record["tokens"]])
-        self._sessions[session.id] = session
-        return session
+        used_at = record.get("used_at")
+        if used_at is not None:  # its idle TTL goes on from its last use, not from the restart
+            session.last_used = time.monotonic() - max(0.0, time.time() - used_at)
+        return self._add(session)
 
     def get(self, session_id: str, owner: str | None) -> Session:
         session = self._sessions.get(session_id)

@@ -125,8 +125,33 @@ def test_with_api_keys_the_page_asks_for_one_and_shows_its_owners_sessions_only(
     expect(page.locator(f'tr[data-id="{mine}"]')).to_be_visible(timeout=2_000)
     expect(page.locator(f'tr[data-id="{theirs}"]')).to_have_count(0)
     assert page.evaluate("sessionStorage.getItem('kvserve-key')") == "key-alice"
+    # the live view shows this key's own figures, never the server's load
+    expect(page.locator("#requests-text")).to_contain_text("1 of 4096 sessions")
+    expect(page.locator("#tps-card")).to_be_hidden()
     page.reload()  # kept for the browser session: no second prompt
     expect(page.locator("#app")).to_be_visible()
+
+
+def overflow(page) -> int:
+    """How far the page reaches past the viewport sideways, in CSS pixels."""
+    return page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+
+
+def test_at_phone_width_nothing_overflows_sideways(browser, fast_server):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True)
+    page = context.new_page()
+    try:
+        page.goto(fast_server.url + "/")
+        page.fill("#chat-input", "Hi")
+        page.click("#send")
+        expect(page.locator(".msg.assistant .stats")).to_contain_text("tokens", timeout=60_000)
+        assert overflow(page) <= 0
+        assert page.locator("#messages").bounding_box()["width"] > 300  # the chat takes the width, not 90 px
+        page.click("button[data-tab=live]")
+        expect(page.locator("#sessions")).to_be_visible()
+        assert overflow(page) <= 0
+    finally:
+        context.close()
 
 
 def test_the_page_stays_small():

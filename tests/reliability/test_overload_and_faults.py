@@ -53,7 +53,7 @@ class HealthWatch:
 
 
 def test_overload_gets_429_never_5xx_and_health_stays_fast(served_model):
-    config = EngineConfig(max_running=8, max_queued=16)
+    config = EngineConfig(max_running=4, max_queued=8)
     with LiveServer(served_model, config) as server, HealthWatch(server.url) as health:
         async def one(ac, i):
             r = await ac.post(server.url + "/generate", json=gen_body(f"Request number {i} says", 4))
@@ -62,15 +62,15 @@ def test_overload_gets_429_never_5xx_and_health_stays_fast(served_model):
         async def run():
             limits = httpx.Limits(max_connections=250)
             async with httpx.AsyncClient(timeout=120, limits=limits) as ac:
-                return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(200))), 300)
+                return await asyncio.wait_for(asyncio.gather(*(one(ac, i) for i in range(120))), 300)
 
         results = asyncio.run(run())
     codes = [c for c, _ in results]
     assert set(codes) <= {200, 429}, sorted(set(codes))
-    # at least the queue's worth succeed (all 200 may arrive before the first step admits anyone)
-    assert codes.count(200) >= 16 and codes.count(429) > 0
+    # at least the running slots' and the queue's worth succeed (all 120 may arrive before a step admits one)
+    assert codes.count(200) >= 12 and codes.count(429) > 0
     assert all(ra is not None for c, ra in results if c == 429)
-    # the 200-request client, the server and this watcher share one process (one GIL) on 2 cores, so
+    # the 120-request client, the server and this watcher share one process (one GIL) on 2 cores, so
     # the bound is loose; a loop blocked behind a model step or a prefill would still break it
     assert not health.failures and health.worst < 1.5, (health.worst, health.failures[:3])
 

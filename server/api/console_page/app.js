@@ -243,19 +243,30 @@ const mib = (bytes) => (bytes / 2 ** 20).toFixed(1) + " MiB";
 const pct = (part, whole) => (whole ? Math.min(100, (100 * part) / whole) : 0).toFixed(1) + "%";
 
 function renderStatus(s) {
-  const p = s.pool;
-  const used = p.used_blocks + p.reserved_blocks;
-  $("#pool-bar").innerHTML = `<span class="cached" style="width:${pct(used + p.cached_blocks, p.blocks)}"></span>` +
-    `<span class="used" style="width:${pct(used, p.blocks)}"></span>`;
-  $("#pool-text").textContent = `used ${mib(used * p.block_bytes)} · cached, free to evict ${mib(p.cached_blocks * p.block_bytes)} · ` +
-    `free ${mib(p.free_blocks * p.block_bytes)} of ${mib(p.budget_bytes)} · prefix-cache hit rate ` +
-    (p.prefix_cache_hit_rate === null ? "-" : (100 * p.prefix_cache_hit_rate).toFixed(1) + "%") + " · disk tier: " +
-    (s.disk === null ? "off" : s.disk.healthy ? `${s.disk.blocks} blocks, ${mib(s.disk.bytes)} of ${mib(s.disk.budget)}, ` +
-      `${s.disk.hits} read back` : "failed, RAM only");
-  $("#requests-text").textContent = `${s.requests.running} running · ${s.requests.waiting} queued · ` +
-    `last step: ${s.steps.last_step_sessions} sessions, ${s.steps.last_step_tokens} tokens`;
-  $("#tps-text").textContent = `${s.steps.tokens_per_s_last_minute} tokens/s on average`;
-  drawSparkline(s.steps.tokens_per_s_by_second);
+  const p = s.pool, t = s.tenant;
+  const tenantText = `${t.tenant}: ${t.running} running · ${t.waiting} queued · ${t.sessions} of ${t.limits.sessions} sessions · ` +
+    `${t.tokens_served} tokens served · ${t.rejected} refused · limits ${t.limits.running} running, ${t.limits.queued} queued`;
+  if (s.scope === "tenant") {  // a key sees its own share of the pool and its own requests, not the others'
+    $("#pool-bar").innerHTML = `<span class="used" style="width:${pct(p.used_blocks, p.blocks)}"></span>`;
+    $("#pool-text").textContent = `yours ${mib(t.kv_bytes)} of ${mib(p.budget_bytes)}`;
+    $("#requests-text").textContent = tenantText;
+    $("#tps-card").hidden = true;
+  } else {
+    const used = p.used_blocks + p.reserved_blocks;
+    $("#pool-bar").innerHTML = `<span class="cached" style="width:${pct(used + p.cached_blocks, p.blocks)}"></span>` +
+      `<span class="used" style="width:${pct(used, p.blocks)}"></span>`;
+    $("#pool-text").textContent = `used ${mib(used * p.block_bytes)} · cached, free to evict ${mib(p.cached_blocks * p.block_bytes)} · ` +
+      `free ${mib(p.free_blocks * p.block_bytes)} of ${mib(p.budget_bytes)} · prefix-cache hit rate ` +
+      (p.prefix_cache_hit_rate === null ? "-" : (100 * p.prefix_cache_hit_rate).toFixed(1) + "%") + " · disk tier: " +
+      (s.disk === null ? "off" : s.disk.healthy ? `${s.disk.blocks} blocks, ${mib(s.disk.bytes)} of ${mib(s.disk.budget)}, ` +
+        `${s.disk.hits} read back` : "failed, RAM only");
+    $("#requests-text").textContent = `${s.requests.running} running · ${s.requests.waiting} queued · ` +
+      `last step: ${s.steps.last_step_sessions} sessions, ${s.steps.last_step_tokens} tokens` +
+      (s.tenants.length > 1 ? " · " + s.tenants.map((x) => `${x.tenant} ${x.running}+${x.waiting}, ${x.tokens_served} tokens`).join(" · ") : "");
+    $("#tps-card").hidden = false;
+    $("#tps-text").textContent = `${s.steps.tokens_per_s_last_minute} tokens/s on average`;
+    drawSparkline(s.steps.tokens_per_s_by_second);
+  }
   const rows = s.sessions.map((x) => {
     const alloc = x.sizing === "dynamic" ? `<span class="alloc" style="width:${pct(x.allocated, x.capacity)}"></span>` : "";
     return `<tr data-id="${escapeHtml(x.id)}"><td><code>${escapeHtml(x.id.slice(0, 12))}</code>${x.persistent ? "" : " <span class=muted>(request)</span>"}</td>` +

@@ -48,28 +48,20 @@ def start(
     n: int = 1,
     scheduling: Scheduling = Scheduling(),
 ) -> list[Sequence]:
-    """Submit to the engine, on the named session or on a temporary one removed when done; n > 1 runs
+    """Submit to the engine, on the named session or on temporary ones removed when done; n > 1 runs
     n choices, each on a temporary session, the prompt prefilled once and forked."""
     engine = engine_of(http)
     owner = owner_of(http)
-    if n > 1:
-        if session_id is not None:
-            raise InvalidRequest("n > 1 runs each choice on a temporary session; send it without a session id", param="n")
+    if session_id is None:
         # choice i draws from seed + i: each choice is reproducible, and the choices differ
         choices = [params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63)
                    for i in range(n)]
-        return engine.submit_choices(prompt, choices, owner, scheduling)
-    if session_id is not None:
-        with engine.lock:  # a session another server left on the shared --kv-disk joins the store here
-            session, temporary = engine.session(session_id, owner), False
-    else:  # a temporary session is sized to its request: a dynamic one, bounded by the context (--max-model-len)
-        session, temporary = engine.create_session(engine.max_context, "dynamic", owner, persistent=False), True
-    try:
-        return [engine.submit(session, prompt, params, resend, scheduling)]
-    except Exception:
-        if temporary:
-            engine.delete_session(session)
-        raise
+        return engine.submit_temporary(prompt, choices, owner, scheduling)
+    if n > 1:
+        raise InvalidRequest("n > 1 runs each choice on a temporary session; send it without a session id", param="n")
+    with engine.lock:  # a session another server left on the shared --kv-disk joins the store here
+        session = engine.session(session_id, owner)
+    return [engine.submit(session, prompt, params, resend, scheduling)]
 
 
 def output_stream(engine: Engine, req: Sequence) -> OutputStream:

@@ -1,4 +1,5 @@
-"""The engine: one step loop that owns the model, schedules steps and streams results.
+"""The engine: one step loop that owns the model, schedules steps and streams results (its session
+operations are in server/engine/session_ops.py).
 
 HTTP handlers call `submit` (which only validates and enqueues, under the engine's lock) and then
 await the request's events. The step loop runs on the model thread: schedule, run, postprocess, with
@@ -14,26 +15,27 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvcache import REGISTRY, CacheRegistry, PoolExhausted, Sizing
+from kvcache import REGISTRY, CacheRegistry, Sizing
 from models.export import LoadedModel
 
 from ..config import EngineConfig
-from ..errors import Conflict, InvalidRequest, NotFound, Overloaded, ShuttingDown
+from ..errors import InvalidRequest, ShuttingDown
 from .constraints import Constraint, Grammars
 from .kv_pool import KVPool, kv_layout
+from .lifetimes import Lifetimes
 from .metrics import Metrics, RecentSteps
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Scheduling, Sequence
-from .lifetimes import Lifetimes
 from .session import Session, SessionStore, Turn, owner_id
+from .session_ops import SessionOps
 
 log = logging.getLogger("kvserve.engine")
 
 
-class Engine:
+class Engine(SessionOps):
     """Continuous-batching engine over one exported model."""
 
     def __init__(self, model: LoadedModel, config: EngineConfig, registry: CacheRegistry = REGISTRY,
@@ -100,106 +102,6 @@ class Engine:
         self._worker.shutdown(wait=True)
         self.runner.close()
 
-    # ---- sessions --------------------------------------------------------------------------
-    def session(self, session_id: str, owner: str | None) -> Session:
-        """A persistent session by id (the caller holds the lock), its TTL renewed: one in RAM, or one on the
-        --kv-disk (moved there idle, or left by a server beside this one), brought back."""
-        try:
-            session = self.sessions.get(session_id, owner)
-        except NotFound:
-            session = self.lifetimes.take_over(session_id, owner)
-            if session is None:
-                raise
-        session.touch()
-        return session
-
-    async def _sweep_loop(self) -> None:
-        """Idle sessions past their TTL leave RAM (server/engine/lifetimes.py)."""
-        while True:
-            await asyncio.sleep(min(1.0, self.config.session_ttl / 4))
-            try:
-                with self.lock:
-                    if self.lifetimes.expire(time.monotonic()):
-                        self.metrics.sessions.set(len(self.sessions))
-                        self._update_gauges()
-            except Exception:  # a bug here must not stop expiry for good, nor serving
-                log.exception("session expiry")
-
-    def snapshot(self, session: Session) -> bool:
-        """Write the session's record and every block handed over so far -> whether they are on disk."""
-        if self.pool.tier is None:
-            raise InvalidRequest("this server has no disk tier; start it with --kv-disk DIR")
-        with self.lock:
-            self.sessions.check_idle(session)
-            self.pool.persist(session)
-        return self.pool.tier.flush(timeout=60) and self.pool.tier.healthy
-
-    def create_session(self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True,
-                       session_id: str | None = None) -> Session:
-        if not self.accepting:
-            raise ShuttingDown("server is shutting down")
-        capacity = self.default_capacity if capacity is None else capacity
-        if capacity > self.max_context:
-            raise InvalidRequest(f"capacity {capacity} exceeds the context of {self.max_context} tokens", param="capacity")
-        sizing = Sizing(sizing) if sizing is not None else self.config.session_sizing
-        if sizing is Sizing.STATIC and self.pool.full_bytes(capacity) > self.pool.budget:
-            raise InvalidRequest(f"a static session of {capacity} tokens needs {self.pool.full_bytes(capacity)} bytes, "
-                                 f"more than the whole KV budget of {self.pool.budget} bytes", param="capacity")
-        with self.lock:
-            tier = self.pool.tier
-            if persistent and session_id is not None and tier is not None and tier.find_session(session_id) is not None:
-                raise Conflict(f"session {session_id!r} already exists", param="id")
-            session = self._new_session(capacity, sizing, persistent, owner, session_id)
-            if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
-                if not self.scheduler.evict_idle(self.pool.blocks_for(capacity), keep=session):
-                    self.sessions.remove(session)
-                    raise Overloaded(f"the KV pool cannot hold back {capacity} tokens for a static session now",
-                                     retry_after_s=self.config.retry_after_s)
-                self.pool.ensure(session)
-            self.pool.persist(session)
-            self.metrics.sessions.set(len(self.sessions))
-        return session
-
-    def _new_session(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None,
-                     session_id: str | None) -> Session:
-        try:
-            return self.sessions.create(capacity, sizing, persistent, owner, session_id)
-        except Overloaded:
-            self.scheduler.tenants[owner_id(owner)].rejected += 1
-            raise
-
-    def delete_session(self, session: Session) -> None:
-        with self.lock:
-            self.sessions.check_idle(session)
-            self.pool.drop(session)
-            self.pool.forget(session)
-            self.sessions.remove(session)
-            self.metrics.sessions.set(len(self.sessions))
-            self._update_gauges()
-
-    def fork_session(self, parent: Session, owner: str | None, session_id: str | None = None) -> Session:
-        """A new session with the parent's history, sharing its KV blocks until either side writes."""
-        if not self.accepting:
-            raise ShuttingDown("server is shutting down")
-        with self.lock:
-            self.sessions.check_idle(parent)
-            child = self._new_session(parent.capacity, parent.sizing, True, owner, session_id)
-            child.tokens = list(parent.tokens)
-            if parent.cache is not None:
-                try:
-                    self.pool.fork(parent, child)
-                except PoolExhausted as e:
-                    self.sessions.remove(child)
-                    raise Overloaded(f"no KV room to fork a static session: {e}", retry_after_s=self.config.retry_after_s) from None
-            self.pool.persist(child)
-            self.metrics.sessions.set(len(self.sessions))
-        return child
-
-    def rewind_session(self, session: Session, length: int) -> None:
-        with self.lock:
-            self.sessions.rewind(session, length)
-            self.pool.persist(session)
-
     # ---- requests --------------------------------------------------------------------------
     def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
                scheduling: Scheduling = Scheduling()) -> Sequence:
@@ -257,27 +159,30 @@ class Engine:
             raise InvalidRequest(f"this request needs {need} bytes of KV, more than the budget of {self.pool.budget}", param="max_tokens")
         return params
 
-    def submit_choices(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
-                       scheduling: Scheduling = Scheduling()) -> list[Sequence]:
-        """n > 1: each choice on a temporary session of its own; the first prefills the prompt and the
-        others fork its KV once that is cached (kept out of the queue's way until then)."""
-        sessions = [self.create_session(self.max_context, "dynamic", owner, persistent=False) for _ in params]
+    def submit_temporary(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
+                         scheduling: Scheduling = Scheduling()) -> list[Sequence]:
+        """A request on no session: each of its choices runs on a temporary session of its own, sized to
+        the context and removed when done. With n > 1 choices the first prefills the prompt and the others
+        fork its KV once that is cached (kept out of the queue's way until then). One pass under the lock,
+        and a refusal (429) comes before any session is made."""
+        if not self.accepting:
+            raise ShuttingDown("server is shutting down")
+        constraints = [self.grammars.matcher(p.grammar) for p in params]
         reqs: list[Sequence] = []
-        try:
-            constraints = [self.grammars.matcher(p.grammar) for p in params]
-            with self.lock:
-                self.scheduler.check_room(owner_id(owner), len(params))
+        with self.lock:
+            self.scheduler.check_room(owner_id(owner), len(params))
+            sessions = [self._new_session(self.max_context, Sizing.DYNAMIC, False, owner, None) for _ in params]
+            try:
                 for session, p, constraint in zip(sessions, params, constraints):
                     # only the first choice reads the prompt back from disk: the others fork its KV
                     req = self._submit(session, prompt, p, True, constraint, scheduling, fetch=not reqs)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
-        except Exception:
-            with self.lock:  # the same prompt and limits pass for every choice or for none
+            except Exception:  # the same prompt and limits pass for every choice or for none
                 assert not reqs, "a later choice failed where the first passed"
                 for session in sessions:
                     self.sessions.remove(session)
-            raise
+                raise
         self._wake.set()
         return reqs
 

@@ -76,11 +76,14 @@ def test_a_gateways_tenant_header_separates_tenants_under_one_key(tiny):
         assert listed(server.url, gw) == []  # the gateway's own tenant holds none of them
 
 
-def test_an_untrusted_client_cannot_name_a_tenant(tiny):
-    server_config = ServerConfig(model_name="m", tenant_header="X-Tenant", trusted_proxies=("10.9.9.9",))
+@pytest.mark.parametrize("proxy, separate", [("10.9.9.9", False), ("127.0.0.1", True)])
+def test_only_a_listed_proxy_names_a_tenant_without_a_key(tiny, proxy, separate):
+    server_config = ServerConfig(model_name="m", tenant_header="X-Tenant", trusted_proxies=(proxy,))
     with LiveServer(tiny, EngineConfig(), server_config=server_config) as server:
         sid = httpx.post(server.url + "/v1/sessions", json={}, headers={"x-tenant": "alice"}).json()["id"]
-        assert listed(server.url) == [sid]  # the header from 127.0.0.1 was ignored: one tenant, as without keys
+        # from an unlisted address the header is ignored: one tenant, as without keys
+        assert listed(server.url) == ([] if separate else [sid])
+        assert listed(server.url, {"x-tenant": "alice"}) == [sid]
 
 
 def test_an_idle_session_expires_and_its_kv_returns_to_the_pool(tiny):
@@ -163,6 +166,16 @@ def test_a_deadline_ends_a_running_request_with_its_text_and_refuses_a_queued_on
         assert long.status_code == 200
         assert queued.status_code == 408 and queued.json()["error"]["type"] == "timeout_error", queued.text
         assert httpx.get(url + f"/v1/sessions/{sid}").json()["length"] == before  # the refused turn changed nothing
+
+
+def test_the_server_wide_timeout_bounds_every_request(served_model):
+    with LiveServer(served_model, EngineConfig(request_timeout=0.4)) as server:
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "timeout"
+        # a request's own timeout may only shorten it
+        r = httpx.post(server.url + "/v1/completions", json={**body, "timeout": 60, "max_tokens": 1500}, timeout=60)
+        assert r.json()["choices"][0]["finish_reason"] == "timeout" and r.json()["usage"]["completion_tokens"] < 1500
 
 
 def test_a_burst_is_taken_up_to_running_plus_queued(served_model):

@@ -116,3 +116,13 @@ def test_deadlines_end_a_running_request_and_refuse_a_queued_one():
     assert queued.finished.reason == "error" and isinstance(queued.finished.error, TimedOut)
     assert keep.tokens == [5, 6, 7] and keep.busy is None  # the refused request left its session as it was
     assert not sched.has_work()
+
+
+def test_metric_labels_are_short_hashes_and_bounded():
+    from server.engine.tenants import MAX_LABELS, Tenants
+
+    tenants = Tenants()
+    labels = [tenants[owner_id(f"secret-{i}")].metric_label for i in range(MAX_LABELS + 5)]
+    assert labels[0] == "key-" + owner_id("secret-0")[:8] and all("secret" not in x for x in labels)
+    assert len(set(labels[:MAX_LABELS])) == MAX_LABELS and set(labels[MAX_LABELS:]) == {"other"}
+    assert tenants[None].label == "default"

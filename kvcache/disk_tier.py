@@ -16,14 +16,11 @@ or vanished folder) turns the tier off with one warning; serving goes on from RA
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
 import math
-import os
 import queue
-import re
 import threading
 import time
 import zlib
@@ -35,10 +32,11 @@ from pathlib import Path
 
 import torch
 
+from .disk_records import SessionRecords, write_atomic
+
 log = logging.getLogger("kvserve.disk")
 
 MAGIC = b"KVB1"
-_RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _CHECK = 4  # bytes of the CRC-32 at the end of a block file: it finds damage; the identity, hash and ids find the rest
 
 
@@ -53,7 +51,7 @@ class TierStats:
     write_s: list[float] = field(default_factory=list)  # per block written, drained
 
 
-class DiskTier:
+class DiskTier(SessionRecords):
     """Content-addressed KV blocks and session records for one model identity, under a byte budget."""
 
     def __init__(self, root: Path, budget: int, identity: dict, block_bytes: int, block_size: int,
@@ -70,13 +68,11 @@ class DiskTier:
         self._writes: queue.Queue = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
-        self._claims: dict[str, int] = {}  # session id -> the open, flock-ed lock file that makes it ours
-        self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
-        self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
+        self._init_records()
         try:
             (self.root / "blocks").mkdir(parents=True, exist_ok=True)
             (self.root / "sessions").mkdir(exist_ok=True)
-            _write_atomic(self.root / "manifest.json", json.dumps({"identity": identity}, indent=2).encode())
+            write_atomic(self.root / "manifest.json", json.dumps({"identity": identity}, indent=2).encode())
             self._scan()
         except OSError as e:
             self._fail(e)
@@ -151,89 +147,6 @@ class DiskTier:
         kv = torch.frombuffer(data, dtype=self.dtype, count=n_k + n_v, offset=ids_end)  # shares `data`: no copy
         return kv[:n_k].view(self.k_shape), kv[n_k:].view(self.v_shape)
 
-    # ---- session records ---------------------------------------------------------------------
-    def save_session(self, record: dict) -> None:
-        """Write a session's record behind (temporary file, fsync, rename)."""
-        if not self.healthy:
-            return
-        self._enqueue(("session", {**record, "identity": self.identity}))
-
-    def delete_session(self, session_id: str) -> None:
-        self._deleted.add(session_id)
-        self._let_go(session_id)
-        self._enqueue(("delete", session_id))
-
-    def _record_at(self, path: Path) -> dict:
-        """The session record in `path` -> raises OSError, or ValueError unless it parses as one and was
-        written for this model identity."""
-        record = json.loads(path.read_text())
-        if not _valid_record(record) or record.get("identity") != self.identity:
-            raise ValueError("not a session record of this model identity")
-        return record
-
-    def claim(self, session_id: str) -> bool:
-        """Make a session this server's alone, among the servers sharing the folder -> False if another
-        live server holds it. The claim is an flock on the session's lock file: the kernel releases it
-        when the holder dies, however it dies, so a session outlives its server on shared storage."""
-        self._deleted.discard(session_id)  # a new session under an id deleted earlier
-        with self._lock:
-            self._letting_go.discard(session_id)  # ours again: the writer keeps the lock it was to drop
-        if session_id in self._claims or not self.healthy:
-            return True
-        try:
-            fd = os.open(self.root / "sessions" / f"{session_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            self._fail(e)
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._claims[session_id] = fd
-        return True
-
-    def release(self, session_id: str) -> None:
-        """Let the session go, once the writes handed over before are on disk: another server may claim it."""
-        self._let_go(session_id)
-        self._enqueue(("release", session_id))
-
-    def _let_go(self, session_id: str) -> None:
-        with self._lock:
-            self._letting_go.add(session_id)
-
-    def unclaim(self, session_id: str) -> None:
-        fd = self._claims.pop(session_id, None)
-        if fd is not None:
-            os.close(fd)  # closing the file drops its lock
-
-    def find_session(self, session_id: str) -> dict | None:
-        """A session's record, if one is on disk and parses (a server beside this one may have written it)."""
-        if not self.healthy or _RECORD_ID.fullmatch(session_id) is None or session_id in self._deleted:
-            return None
-        try:
-            record = self._record_at(self.root / "sessions" / f"{session_id}.json")
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            self.stats.errors += 1
-            return None
-        return record if record["id"] == session_id else None
-
-    def sessions(self) -> list[dict]:
-        """Every record that parses; one that does not is skipped with a warning."""
-        records = []
-        for path in sorted((self.root / "sessions").glob("*.json")) if self.healthy else []:
-            try:
-                record = self._record_at(path)
-                if path.name != f"{record['id']}.json":
-                    raise ValueError("a record under another session's name")
-                records.append(record)
-            except (OSError, ValueError):
-                self.stats.errors += 1
-                log.warning("kv disk: session record %s does not parse; skipped", path.name)
-        return records
-
     # ---- the writer ------------------------------------------------------------------------
     def _enqueue(self, job: tuple) -> None:
         with self._lock:
@@ -271,20 +184,8 @@ class DiskTier:
                     self._idle.notify_all()
 
     def _do(self, job: tuple) -> None:
-        kind = job[0]
-        if kind == "session":
-            record = job[1]
-            if record["id"] in self._deleted:
-                return
-            _write_atomic(self.root / "sessions" / f"{record['id']}.json", json.dumps(record).encode(), sync=True)
-        elif kind in ("delete", "release"):
-            if kind == "delete":
-                (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
-            with self._lock:
-                drop = job[1] in self._letting_go
-                self._letting_go.discard(job[1])
-            if drop:
-                self.unclaim(job[1])
+        if job[0] in ("session", "delete", "release"):
+            self._do_record(job)
         else:
             _, digest, tokens, k, v = job
             if digest in self._on_disk or self.file_bytes > self.budget:
@@ -299,7 +200,7 @@ class DiskTier:
                 crc = zlib.crc32(part, crc)
             path = self._path(digest)
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
+            write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
             with self._lock:
                 self._on_disk[digest] = None
             self.stats.write_s.append(time.perf_counter() - start)
@@ -343,24 +244,3 @@ class DiskTier:
         return {"path": str(self.root), "healthy": self.healthy, "blocks": len(self._on_disk),
                 "bytes": len(self._on_disk) * self.file_bytes, "budget": self.budget, "pending_writes": self._pending,
                 "hits": self.stats.hits, "misses": self.stats.misses, "errors": self.stats.errors}
-
-
-def _valid_record(r) -> bool:
-    return (isinstance(r, dict) and isinstance(r.get("id"), str) and _RECORD_ID.fullmatch(r["id"]) is not None
-            and isinstance(r.get("tokens"), list) and all(type(t) is int and t >= 0 for t in r["tokens"])
-            and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
-            and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"]
-            and all(r.get(k) is None or type(r[k]) in (int, float) for k in ("expires", "used_at")))
-
-
-def _write_atomic(path: Path, data: bytes | list, sync: bool = False) -> None:
-    """Write `data` (bytes, or buffers written in turn, never joined) to a temporary file, then rename it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two servers on one folder never share one
-    with open(tmp, "wb") as f:
-        for part in data if isinstance(data, list) else [data]:
-            f.write(part)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-

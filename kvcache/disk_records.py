@@ -1,0 +1,147 @@
+"""Session records on the disk tier: one JSON file per persistent session (its history and owner hash,
+never its KV, which the tier keeps by content), and the claims that make a session one live server's
+among those sharing the folder.
+
+A mixin of `DiskTier` (kvcache/disk_tier.py), which owns what is used here: `root`, `identity`,
+`healthy`, `stats`, `_lock`, `_enqueue` and `_fail`, and runs `_do_record` on its writer thread.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+log = logging.getLogger("kvserve.disk")
+
+RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class SessionRecords:
+    """Records and claims of persistent sessions."""
+
+    def _init_records(self) -> None:
+        self._claims: dict[str, int] = {}  # session id -> the open, flock-ed lock file that makes it ours
+        self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
+        self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
+
+    def save_session(self, record: dict) -> None:
+        """Write a session's record behind (temporary file, fsync, rename)."""
+        if not self.healthy:
+            return
+        self._enqueue(("session", {**record, "identity": self.identity}))
+
+    def delete_session(self, session_id: str) -> None:
+        self._deleted.add(session_id)
+        self._let_go(session_id)
+        self._enqueue(("delete", session_id))
+
+    def _record_at(self, path: Path) -> dict:
+        """The session record in `path` -> raises OSError, or ValueError unless it parses as one and was
+        written for this model identity."""
+        record = json.loads(path.read_text())
+        if not _valid_record(record) or record.get("identity") != self.identity:
+            raise ValueError("not a session record of this model identity")
+        return record
+
+    def claim(self, session_id: str) -> bool:
+        """Make a session this server's alone, among the servers sharing the folder -> False if another
+        live server holds it. The claim is an flock on the session's lock file: the kernel releases it
+        when the holder dies, however it dies, so a session outlives its server on shared storage."""
+        self._deleted.discard(session_id)  # a new session under an id deleted earlier
+        with self._lock:
+            self._letting_go.discard(session_id)  # ours again: the writer keeps the lock it was to drop
+        if session_id in self._claims or not self.healthy:
+            return True
+        try:
+            fd = os.open(self.root / "sessions" / f"{session_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            self._fail(e)
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._claims[session_id] = fd
+        return True
+
+    def release(self, session_id: str) -> None:
+        """Let the session go, once the writes handed over before are on disk: another server may claim it."""
+        self._let_go(session_id)
+        self._enqueue(("release", session_id))
+
+    def _let_go(self, session_id: str) -> None:
+        with self._lock:
+            self._letting_go.add(session_id)
+
+    def unclaim(self, session_id: str) -> None:
+        fd = self._claims.pop(session_id, None)
+        if fd is not None:
+            os.close(fd)  # closing the file drops its lock
+
+    def find_session(self, session_id: str) -> dict | None:
+        """A session's record, if one is on disk and parses (a server beside this one may have written it)."""
+        if not self.healthy or RECORD_ID.fullmatch(session_id) is None or session_id in self._deleted:
+            return None
+        try:
+            record = self._record_at(self.root / "sessions" / f"{session_id}.json")
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            self.stats.errors += 1
+            return None
+        return record if record["id"] == session_id else None
+
+    def sessions(self) -> list[dict]:
+        """Every record that parses; one that does not is skipped with a warning."""
+        records = []
+        for path in sorted((self.root / "sessions").glob("*.json")) if self.healthy else []:
+            try:
+                record = self._record_at(path)
+                if path.name != f"{record['id']}.json":
+                    raise ValueError("a record under another session's name")
+                records.append(record)
+            except (OSError, ValueError):
+                self.stats.errors += 1
+                log.warning("kv disk: session record %s does not parse; skipped", path.name)
+        return records
+
+    def _do_record(self, job: tuple) -> None:
+        """On the writer's thread: a record written, a record deleted, or a claim let go."""
+        kind = job[0]
+        if kind == "session":
+            record = job[1]
+            if record["id"] in self._deleted:
+                return
+            write_atomic(self.root / "sessions" / f"{record['id']}.json", json.dumps(record).encode(), sync=True)
+            return
+        if kind == "delete":
+            (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
+        with self._lock:
+            drop = job[1] in self._letting_go
+            self._letting_go.discard(job[1])
+        if drop:
+            self.unclaim(job[1])
+
+
+def _valid_record(r) -> bool:
+    return (isinstance(r, dict) and isinstance(r.get("id"), str) and RECORD_ID.fullmatch(r["id"]) is not None
+            and isinstance(r.get("tokens"), list) and all(type(t) is int and t >= 0 for t in r["tokens"])
+            and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
+            and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"]
+            and all(r.get(k) is None or type(r[k]) in (int, float) for k in ("expires", "used_at")))
+
+
+def write_atomic(path: Path, data: bytes | list, sync: bool = False) -> None:
+    """Write `data` (bytes, or buffers written in turn, never joined) to a temporary file, then rename it."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two servers on one folder never share one
+    with open(tmp, "wb") as f:
+        for part in data if isinstance(data, list) else [data]:
+            f.write(part)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)

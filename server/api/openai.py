@@ -14,6 +14,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest
 from . import generation, tools
+from .tool_stream import ToolCallStream
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
@@ -21,6 +22,11 @@ router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 # "timeout": the request's deadline passed while it ran (its `timeout`, or --request-timeout)
 OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout", "cancelled": "length",
                   "error": "error"}
+
+
+def _finish_reason(reason: str, calls: int) -> str:
+    """A reply with complete tool calls finishes with tool_calls, unless max_tokens or its deadline cut it."""
+    return "tool_calls" if calls and reason not in ("length", "timeout") else OPENAI_REASONS[reason]
 
 
 def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
@@ -243,28 +249,28 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     reqs = _start(http, body, prompt, max_tokens, logprobs, forced)
     names = {t.function.name for t in body.tools or []} if tools.offers_tools(body) else set()
     if body.stream:
-        filters = [tools.ToolCallFilter(names, forced is not None) if names else None for _ in reqs]
+        calls = [ToolCallStream(names, forced is not None) if names else None for _ in reqs]
 
         def choice(i, text, event, reason, first=False):
             if first:
                 return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            text = filters[i].feed(text or "") if filters[i] is not None else text
-            if not text and event is None and reason is None:
+            deltas: list[dict] = []
+            if calls[i] is not None:
+                text, deltas = calls[i].feed(text or "")
+            if not text and not deltas and event is None and reason is None:
                 return None
             lp = _chat_logprobs(tok, [event]) if event is not None else None
-            return {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+            delta = {**({"content": text} if text else {}), **({"tool_calls": deltas} if deltas else {})}
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
         def final(i, f: Finished):
-            if filters[i] is None:
+            if calls[i] is None:
                 return [choice(i, f.text, None, OPENAI_REASONS[f.reason])]
-            filters[i].feed(f.text)
-            content, calls = filters[i].finish()
-            out = [{"index": i, "delta": {"content": content}, "logprobs": None, "finish_reason": None}] if content else []
-            if calls:
-                deltas = [{"index": k, **call} for k, call in enumerate(calls)]
-                out.append({"index": i, "delta": {"tool_calls": deltas}, "logprobs": None, "finish_reason": None})
-            return [*out, {"index": i, "delta": {}, "logprobs": None,
-                           "finish_reason": "tool_calls" if calls else OPENAI_REASONS[f.reason]}]
+            last = choice(i, f.text, None, None)
+            content, deltas = calls[i].finish()
+            delta = {**({"content": content} if content else {}), **({"tool_calls": deltas} if deltas else {})}
+            out = [c for c in (last, {"index": i, "delta": delta, "logprobs": None, "finish_reason": None} if delta else None) if c]
+            return [*out, {"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(f.reason, calls[i].complete)}]
 
         return StreamingResponse(_Stream(http, reqs, body, "chat", choice, body.logprobs, final).__aiter__(),
                                  media_type="text/event-stream", headers=generation.SSE_HEADERS)
@@ -274,7 +280,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
         content, calls = tools.parse_tool_calls(f.output, names, forced is not None) if names else (f.output, [])
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         choices.append({"message": message, "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
-                        **({"finish_reason": "tool_calls"} if calls else {})})
+                        "finish_reason": _finish_reason(f.reason, len(calls))})
     return _response(http, "chat", [f for _, f in results], choices)
 
 

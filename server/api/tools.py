@@ -77,8 +77,8 @@ def forced_tools(body: ChatCompletionRequest) -> list[dict] | None:
 
 
 def parse_tool_calls(text: str, names: set[str], forced: bool = False) -> tuple[str | None, list[dict]]:
-    """Text -> (the content outside the calls, or None; the calls of known functions, OpenAI-shaped).
-    A forced reply is calls only: what is left is a call cut short by max_tokens, not content."""
+    """Text -> (the content outside the calls, or None; the complete calls of known functions, OpenAI-shaped).
+    A call cut short by max_tokens is dropped, never shown as content; a forced reply has no content."""
     calls = []
     for match in TOOL_CALL.finditer(text):
         try:
@@ -89,30 +89,11 @@ def parse_tool_calls(text: str, names: set[str], forced: bool = False) -> tuple[
             arguments = json.dumps(call.get("arguments", {}), ensure_ascii=False)
             calls.append({"id": "call_" + secrets.token_hex(12), "type": "function",
                           "function": {"name": call["name"], "arguments": arguments}})
-    if not calls:
-        return text, []
-    content = TOOL_CALL.sub("", text).strip()
-    return (content or None) if not forced else None, calls
-
-
-class ToolCallFilter:
-    """Holds back streamed text that may be tool calls; what it lets through is plain content."""
-
-    def __init__(self, names: set[str], forced: bool) -> None:
-        self.names, self.forced = names, forced
-        self.held, self.passing = "", False
-
-    def feed(self, text: str) -> str:
-        if self.passing:
-            return text
-        self.held += text
-        head = self.held.lstrip()
-        if self.forced or head.startswith(OPEN_TAG) or OPEN_TAG.startswith(head):
-            return ""
-        self.passing, out, self.held = True, self.held, ""
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """At the end: (content still held back, the calls)."""
-        content, calls = parse_tool_calls(self.held, self.names, self.forced)
-        return content or "", calls
+    if forced:
+        return None, calls
+    content = TOOL_CALL.sub("", text) if calls else text
+    cut = content.rfind(OPEN_TAG)
+    if cut >= 0 and "</tool_call>" not in content[cut:]:
+        content = content[:cut]  # a call the reply ended inside
+    content = content.strip() if calls else content
+    return content or None, calls

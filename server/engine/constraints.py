@@ -29,8 +29,8 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 class Grammars:
     """Compiles output constraints for one tokenizer (its llguidance view is built on first use)."""
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, tokenizer: TextTokenizer, max_context: int) -> None:
+        self._tokenizer, self.max_context = tokenizer, max_context
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
 
@@ -82,10 +82,19 @@ class Grammars:
 
     # ---- matchers ------------------------------------------------------------------------------
     def check(self, grammar: str, param: str) -> str:
-        """Raise a 400 naming the problem if `grammar` does not compile; returns it."""
+        """Raise a 400 naming the problem if `grammar` does not compile, or if no output can ever satisfy it:
+        its language is empty, or it forces more tokens than the context holds. Returns it."""
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error and not error.startswith("WARNING"):
             raise InvalidRequest(f"invalid {param}: {error.strip()}", param=param)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        matcher.compute_logit_bias()  # an empty language shows once the first mask is asked for
+        if matcher.is_error():
+            raise InvalidRequest(f"invalid {param}: no output can match it (its language is empty)", param=param)
+        if _forces_past(matcher, self.max_context):
+            raise InvalidRequest(f"invalid {param}: no output can complete it: it forces more than the context of "
+                                 f"{self.max_context} tokens before it could end (a rule that must always recur?)",
+                                 param=param)
         return grammar
 
     def matcher(self, grammar: str | None) -> Constraint | None:
@@ -94,6 +103,21 @@ class Grammars:
         if grammar is None:
             return None
         return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self._tokenizer.vocab_size)
+
+
+def _forces_past(matcher: llguidance.LLMatcher, limit: int) -> bool:
+    """Whether the grammar forces more than `limit` tokens from its start, with no choice that could end it
+    (say `start: "a" start`), or a forced run longer than its parser can follow. llguidance gives a forced
+    run in bounded pieces: take them until one ends it or the limit is passed."""
+    forced = 0
+    while not matcher.is_accepting():
+        tokens = matcher.compute_ff_tokens()
+        if not tokens:
+            return False  # a choice comes next: whether it can end is not known here
+        forced += len(tokens)
+        if forced > limit or not matcher.consume_tokens(tokens):
+            return True
+    return False
 
 
 class Constraint:

@@ -59,7 +59,7 @@ class Engine(SessionOps):
         self._worker = worker or model_thread()
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
-        self.grammars = Grammars(self.tokenizer)
+        self.grammars = Grammars(self.tokenizer, self.max_context)
         self.default_capacity = min(config.session_capacity, self.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.

@@ -84,6 +84,21 @@ def test_malformed_constraints_get_a_400_naming_the_problem(client):
         ask(client, "x", response_format={"type": "json_object"}, extra_body={"guided_regex": "a"})
 
 
+RECURSIVE = {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}},
+             "$ref": "#/$defs/node"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("constraint, why", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": RECURSIVE}}}, "no output can complete it"),
+    ({"extra_body": {"guided_grammar": 'start: "a" start'}}, "no output can complete it"),
+    ({"extra_body": {"guided_regex": "a{3}b{0}[^\\s\\S]"}}, "no output can match it"),
+])
+def test_a_constraint_no_output_can_satisfy_gets_a_400(client, constraint, why, stream):
+    with pytest.raises(openai.BadRequestError, match=why):
+        ask(client, "Hi", stream=stream, **constraint)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_tool_choice_gives_calls_whose_arguments_validate(client, stream):
     kw = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=80)
@@ -108,6 +123,48 @@ def test_required_tool_choice_gives_calls_whose_arguments_validate(client, strea
     assert call_id.startswith("call_") and name in ("get_weather", "get_time")
     tool = WEATHER if name == "get_weather" else TIME
     jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+
+
+def test_a_streamed_tool_call_comes_as_argument_deltas_the_sdk_rebuilds(client):
+    kw = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=80)
+    argument_deltas = 0
+    with client.chat.completions.stream(model=MODEL, temperature=0, messages=[
+            {"role": "user", "content": "What is the weather in Paris?"}], **kw) as stream:
+        for event in stream:
+            if event.type == "tool_calls.function.arguments.delta":
+                argument_deltas += 1
+        final = stream.get_final_completion()
+    # the arguments arrive while they are generated, not as one chunk at the end
+    assert argument_deltas >= 3, argument_deltas
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    tool = WEATHER if call.function.name == "get_weather" else TIME
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_cut_by_max_tokens_finishes_with_length_and_no_markup(client, stream):
+    kw = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=15)
+    if not stream:
+        choice = ask(client, "What is the weather in Paris?", **kw).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content is None
+        assert not choice.message.tool_calls  # the one call was cut: nothing complete to keep
+        return
+    content, reason = "", None
+    for chunk in ask(client, "What is the weather in Paris?", stream=True, **kw):
+        content += chunk.choices[0].delta.content or ""
+        reason = chunk.choices[0].finish_reason or reason
+    assert reason == "length" and "<tool_call>" not in content and not content
+
+
+def test_parallel_calls_cut_by_max_tokens_keep_only_the_complete_ones(client):
+    r = ask(client, "What is the weather in Paris, London, Rome and Oslo?", tools=[WEATHER], tool_choice="required",
+            max_tokens=100)
+    choice = r.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None, choice
+    for call in choice.message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
 
 
 def test_a_named_tool_choice_calls_that_function(client):

@@ -61,7 +61,7 @@ def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
                          "allocated": s.cache.allocated if s.cache is not None else 0})
     sched.tenants[owner]  # known from now on, so it has figures
     figures = engine.tenant_figures()
-    mine = {k: v for k, v in figures[owner].items() if k != "metric_label"}
+    mine = figures[owner]
     tenant = {**mine, "limits": {"sessions": c.per_key("max_sessions"), "running": c.per_key("max_running"),
                                  "queued": c.per_key("max_queued"), "session_ttl_s": c.session_ttl,
                                  "request_timeout_s": c.request_timeout}}
@@ -86,6 +86,5 @@ def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
         "disk": engine.pool.tier.info() if engine.pool.tier is not None else None,
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
         "steps": engine.recent.summary(),
-        "tenants": sorted(({k: v for k, v in f.items() if k != "metric_label"} for f in figures.values()),
-                          key=lambda f: f["tenant"]),
+        "tenants": sorted(figures.values(), key=lambda f: f["tenant"]),
     }

@@ -29,6 +29,11 @@ def _finish_reason(reason: str, calls: int) -> str:
     return "tool_calls" if calls and reason not in ("length", "timeout") else OPENAI_REASONS[reason]
 
 
+def _delta(content: str | None, tool_calls: list[dict]) -> dict:
+    """A streamed chat delta: its text and its tool-call deltas, each only if there are any."""
+    return {**({"content": content} if content else {}), **({"tool_calls": tool_calls} if tool_calls else {})}
+
+
 def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
                   grammar: str | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -260,15 +265,13 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
             if not text and not deltas and event is None and reason is None:
                 return None
             lp = _chat_logprobs(tok, [event]) if event is not None else None
-            delta = {**({"content": text} if text else {}), **({"tool_calls": deltas} if deltas else {})}
-            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "delta": _delta(text, deltas), "logprobs": lp, "finish_reason": reason}
 
         def final(i, f: Finished):
             if calls[i] is None:
                 return [choice(i, f.text, None, OPENAI_REASONS[f.reason])]
             last = choice(i, f.text, None, None)
-            content, deltas = calls[i].finish()
-            delta = {**({"content": content} if content else {}), **({"tool_calls": deltas} if deltas else {})}
+            delta = _delta(*calls[i].finish())
             out = [c for c in (last, {"index": i, "delta": delta, "logprobs": None, "finish_reason": None} if delta else None) if c]
             return [*out, {"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(f.reason, calls[i].complete)}]
 

@@ -257,7 +257,7 @@ class Engine(SessionOps):
         self.metrics.pool_mismatches(self.pool.blocks.mismatches)
         if self.pool.tier is not None:
             self.metrics.disk(self.pool.tier)
-        self.metrics.sessions.set(len(self.sessions))
+        self._update_gauges()
 
     def tenant_figures(self) -> dict[str | None, dict]:
         """Every tenant's figures, by owner id (the caller holds the lock)."""
@@ -266,13 +266,14 @@ class Engine(SessionOps):
 
     def render_metrics(self) -> bytes:
         with self.lock:
-            self.metrics.tenants(self.tenant_figures())
+            tenants = self.scheduler.tenants
+            self.metrics.tenants((tenants[owner].metric_label, fig) for owner, fig in self.tenant_figures().items())
         return self.metrics.render()
 
     def _update_gauges(self) -> None:
         blocks = self.pool.blocks
         self.metrics.gauges(self.pool.used(), self.pool.budget, blocks.n_cached() * blocks.block_bytes,
-                            len(self.scheduler.running), len(self.scheduler.waiting))
+                            len(self.scheduler.running), len(self.scheduler.waiting), len(self.sessions))
 
 
 def _put_all(events: list[tuple[asyncio.Queue, object]]) -> None:

@@ -45,7 +45,8 @@ class Lifetimes:
         log.info("kv disk %s: %s", tier.root, ", ".join(f"{n} sessions {what}" for what, n in counts.items()))
 
     def _idle_on_disk(self, record: dict, now: float) -> bool:
-        if record.get("used_at") is not None and self.sessions.ttl is not None and record["used_at"] + self.sessions.ttl <= now:
+        used_at, ttl = record.get("used_at"), self.sessions.ttl
+        if used_at is not None and ttl is not None and used_at + ttl <= now:
             return True
         try:
             self.sessions.check_quota(record.get("owner"))
@@ -82,7 +83,7 @@ class Lifetimes:
             if tier is not None and tier.healthy:
                 self.pool.persist(session)  # its last record, saying when the disk copy goes
                 tier.release(session.id)  # once that is written: any server on the folder may take it up
-                self.parked[session.id] = session.record()["expires"]
+                self.parked[session.id] = session.disk_expires_at
             else:
                 self.pool.forget(session)
             self.sessions.remove(session)

@@ -114,11 +114,11 @@ class Metrics:
         self.disk_bytes.set(info["bytes"])
         self.disk_healthy.set(1 if tier.healthy else 0)
 
-    def tenants(self, figures: dict) -> None:
-        """Per-tenant figures (Tenants.figures), summed by label."""
+    def tenants(self, figures) -> None:
+        """Per-tenant figures, as (metric label, Tenants.figures entry) pairs, summed by label."""
         by_label: dict[str, dict] = {}
-        for fig in figures.values():
-            total = by_label.setdefault(fig["metric_label"], dict.fromkeys([*self._tenant_gauges, *self._tenant_counters], 0))
+        for label, fig in figures:
+            total = by_label.setdefault(label, dict.fromkeys([*self._tenant_gauges, *self._tenant_counters], 0))
             for name in total:
                 total[name] += fig[name]
         for label, total in by_label.items():
@@ -127,12 +127,13 @@ class Metrics:
             for name, counter in self._tenant_counters.items():
                 self._advance(f"{name}:{label}", counter.labels(self.model_name, label), total[name])
 
-    def gauges(self, kv_used: int, kv_budget: int, kv_cached: int, running: int, waiting: int) -> None:
+    def gauges(self, kv_used: int, kv_budget: int, kv_cached: int, running: int, waiting: int, sessions: int) -> None:
         self.kv_bytes.set(kv_used)
         self.kv_usage.set(kv_used / kv_budget)
         self.kv_cached_bytes.set(kv_cached)
         self.running.set(running)
         self.waiting.set(waiting)
+        self.sessions.set(sessions)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

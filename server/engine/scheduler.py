@@ -71,10 +71,6 @@ class Scheduler:
     def busy_tenants(self) -> set[str | None]:
         return {r.session.owner for r in (*self.waiting, *self.running)}
 
-    def counts(self, owner: str | None) -> tuple[int, int]:
-        """A tenant's running and waiting requests."""
-        return (sum(r.session.owner == owner for r in self.running), sum(r.session.owner == owner for r in self.waiting))
-
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

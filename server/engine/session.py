@@ -51,9 +51,19 @@ class Session:
         return float("inf") if self.ttl is None or self.busy is not None else self.last_used + self.ttl - now
 
     @property
+    def used_at(self) -> float:
+        """Wall-clock time of its last use."""
+        return time.time() + self.last_used - time.monotonic()
+
+    @property
     def expires_at(self) -> float | None:
         """Wall-clock time at which it leaves RAM unless used again."""
-        return None if self.ttl is None else time.time() + self.last_used + self.ttl - time.monotonic()
+        return None if self.ttl is None else self.used_at + self.ttl
+
+    @property
+    def disk_expires_at(self) -> float | None:
+        """Wall-clock time at which its disk copy goes, once its idle TTL and then its disk TTL have passed."""
+        return None if self.ttl is None else self.used_at + self.ttl + self.disk_ttl
 
     @property
     def cached_length(self) -> int:
@@ -100,14 +110,14 @@ class Session:
         return self.owner == owner_id(key)
 
     def record(self) -> dict:
-        """What the disk tier keeps of a persistent session (its KV blocks are kept by content): `expires`
-        is when the disk copy goes, once its idle TTL and then its disk TTL have passed."""
-        used_at = time.time() + self.last_used - time.monotonic()
-        expires = None if self.ttl is None else round(used_at + self.ttl + self.disk_ttl, 3)
+        """What the disk tier keeps of a persistent session (its KV blocks are kept by content)."""
+        expires = self.disk_expires_at
         return {"id": self.id, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
-                "owner": self.owner, "used_at": round(used_at, 3), "expires": expires}
+                "owner": self.owner, "used_at": round(self.used_at, 3),
+                "expires": round(expires, 3) if expires is not None else None}
 
     def info(self) -> dict:
+        expires = self.expires_at
         return {
             "id": self.id,
             "length": len(self.tokens),
@@ -117,7 +127,7 @@ class Session:
             "bytes": self.cache.nbytes if self.cache is not None else 0,
             "resident": self.cache is not None,
             "busy": self.busy is not None,
-            "expires_at": round(self.expires_at, 3) if self.expires_at is not None else None,
+            "expires_at": round(expires, 3) if expires is not None else None,
         }
 
 
@@ -163,8 +173,7 @@ class SessionStore:
                 raise InvalidRequest("a client-chosen session id must be 22 to 128 characters of A-Z a-z 0-9 _ -", param="id")
             if session_id in self._sessions:
                 raise Conflict(f"session {session_id!r} already exists", param="id")
-        session = self._add(Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner)))
-        return session
+        return self._add(Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner)))
 
     def check_quota(self, owner: str | None) -> None:
         """Room for one more persistent session of this owner (an owner id), or a 429 that says when one frees."""

@@ -40,7 +40,6 @@ class SessionOps:
             try:
                 with self.lock:
                     if self.lifetimes.expire(time.monotonic()):
-                        self.metrics.sessions.set(len(self.sessions))
                         self._update_gauges()
             except Exception:  # a bug here must not stop expiry for good, nor serving
                 log.exception("session expiry")
@@ -77,7 +76,7 @@ class SessionOps:
                                      retry_after_s=self.config.retry_after_s)
                 self.pool.ensure(session)
             self.pool.persist(session)
-            self.metrics.sessions.set(len(self.sessions))
+            self._update_gauges()
         return session
 
     def _new_session(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None,
@@ -94,7 +93,6 @@ class SessionOps:
             self.pool.drop(session)
             self.pool.forget(session)
             self.sessions.remove(session)
-            self.metrics.sessions.set(len(self.sessions))
             self._update_gauges()
 
     def fork_session(self, parent: Session, owner: str | None, session_id: str | None = None) -> Session:
@@ -112,7 +110,7 @@ class SessionOps:
                     self.sessions.remove(child)
                     raise Overloaded(f"no KV room to fork a static session: {e}", retry_after_s=self.config.retry_after_s) from None
             self.pool.persist(child)
-            self.metrics.sessions.set(len(self.sessions))
+            self._update_gauges()
         return child
 
     def rewind_session(self, session: Session, length: int) -> None:

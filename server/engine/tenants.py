@@ -67,7 +67,7 @@ class Tenants:
         def of(owner):
             if owner not in out:
                 t = self[owner]
-                out[owner] = {"tenant": t.label, "metric_label": t.metric_label, "weight": t.weight, "running": 0, "waiting": 0, "sessions": 0,
+                out[owner] = {"tenant": t.label, "weight": t.weight, "running": 0, "waiting": 0, "sessions": 0,
                               "kv_bytes": 0, "tokens_served": t.tokens, "rejected": t.rejected}
             return out[owner]
 

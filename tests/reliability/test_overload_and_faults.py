@@ -70,9 +70,9 @@ def test_overload_gets_429_never_5xx_and_health_stays_fast(served_model):
     # at least the running slots' and the queue's worth succeed (all 120 may arrive before a step admits one)
     assert codes.count(200) >= 12 and codes.count(429) > 0
     assert all(ra is not None for c, ra in results if c == 429)
-    # the 120-request client, the server and this watcher share one process (one GIL) on 2 cores, so
-    # the bound is loose; a loop blocked behind a model step or a prefill would still break it
-    assert not health.failures and health.worst < 1.5, (health.worst, health.failures[:3])
+    # issue 24's bound: /health under 1 s. The 120-request client, the server and this watcher share one
+    # process (one GIL) on 2 cores, so it is loose; a loop blocked behind a model step or a prefill breaks it
+    assert not health.failures and health.worst < 1.0, (health.worst, health.failures[:3])
 
 
 def test_disconnect_storm_frees_everything(served_model):

@@ -196,7 +196,8 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
-                                 tenant_header=args.tenant_header, trusted_proxies=tuple(args.trusted_proxy or ()))
+                                 tenant_header=args.tenant_header, trusted_proxies=tuple(args.trusted_proxy or ()),
+                                 allowed_origins=_origins(args.allowed_origins or ()))
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
@@ -204,6 +205,11 @@ def cmd_serve(args) -> int:
                                            timeout_graceful_shutdown=5), engine, args.shutdown_timeout)
     server.run()
     return 0
+
+
+def _origins(values: list[str]) -> tuple[str, ...]:
+    """--allowed-origins, repeated or comma-separated: 'https://a.example,https://b.example' or '*'."""
+    return tuple(dict.fromkeys(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip()))
 
 
 class DrainingServer(uvicorn.Server):
@@ -271,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tenant-header", default=None, metavar="NAME",
                    help="a gateway's header naming the tenant (honoured under an API key, or from a --trusted-proxy)")
     p.add_argument("--trusted-proxy", action="append", metavar="IP", help="a gateway address whose --tenant-header is honoured without a key")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGIN,...",
+                   help="browser origins allowed to call the API (CORS), comma-separated or repeated; '*' for any (default: none)")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=ServerConfig().max_body_bytes)
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
     p.add_argument("--log-level", default="info")

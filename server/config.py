@@ -89,3 +89,5 @@ class ServerConfig:
     # A gateway's header naming the tenant a request is for: honoured under an API key, or from these proxies
     tenant_header: str | None = None
     trusted_proxies: tuple[str, ...] = ()
+    # Browser origins allowed to call the API (CORS), "*" for any; none: no CORS headers at all
+    allowed_origins: tuple[str, ...] = ()

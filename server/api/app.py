@@ -10,20 +10,25 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..engine.session import principal
-from ..errors import ApiError, InvalidRequest, PayloadTooLarge, Unauthorized
-from . import console, misc, openai, sessions, tgi
+from ..errors import ApiError, InvalidRequest, NotFound, PayloadTooLarge, Unauthorized
+from . import anthropic, console, misc, ollama, openai, responses, sessions, tgi
 
 log = logging.getLogger("kvserve.app")
 PUBLIC_PATHS = {"/health"}
 MAX_TENANT_NAME = 256
 
 
-def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+def _error_response(err: ApiError, path: str = "") -> JSONResponse:
+    """Every error's JSON: in Anthropic's or Ollama's shape under their routes (their clients read no other),
+    else OpenAI's."""
+    body = (anthropic.error_body(err) if anthropic.owns(path) else ollama.error_body(err) if ollama.owns(path)
+            else err.body())
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 class GuardMiddleware:
@@ -44,16 +49,17 @@ class GuardMiddleware:
         public = scope["path"] in PUBLIC_PATHS or (scope["method"] == "GET" and scope["path"] in console.PUBLIC_PAGES)
         if self.keys and not public:
             auth = headers.get("authorization", "")
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+            # Anthropic's clients send the key as x-api-key
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key", "").strip() or None
             if key not in self.keys:
                 msg = "missing API key" if key is None else "invalid API key"
-                return await _error_response(Unauthorized(msg))(scope, receive, send)
+                return await _error_response(Unauthorized(msg), scope["path"])(scope, receive, send)
         tenant = headers.get(self.tenant_header, "").strip() if self.tenant_header else ""
         client = (scope.get("client") or ("",))[0]
         trusted = key is not None or client in self.proxies  # anyone else could name any tenant
         if tenant and trusted and len(tenant) > MAX_TENANT_NAME:
             err = InvalidRequest(f"the {self.tenant_header} header is longer than {MAX_TENANT_NAME} characters")
-            return await _error_response(err)(scope, receive, send)
+            return await _error_response(err, scope["path"])(scope, receive, send)
         scope.setdefault("state", {})["owner"] = principal(key, tenant if tenant and trusted else None)
         kind = headers.get("content-type", "").split(";")[0].strip().lower()
         if scope["method"] in ("POST", "PUT", "PATCH") and not (kind == "application/json" or kind.endswith("+json")):
@@ -62,7 +68,7 @@ class GuardMiddleware:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             err = PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {self.max_body} bytes")
-            return await _error_response(err)(scope, receive, send)
+            return await _error_response(err, scope["path"])(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -100,31 +106,34 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
-    for module in (console, tgi, openai, sessions, misc):
+    for module in (console, tgi, openai, responses, anthropic, ollama, sessions, misc):
         app.include_router(module.router)
 
     @app.exception_handler(ApiError)
-    async def api_error(_, exc: ApiError):
-        return _error_response(exc)
+    async def api_error(request, exc: ApiError):
+        return _error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_, exc: RequestValidationError):
+    async def validation_error(request, exc: RequestValidationError):
         message, field = _validation_message(exc)
-        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": field, "code": 400}},
-                            status_code=400)
+        return _error_response(InvalidRequest(message, param=field), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    async def http_error(request, exc: StarletteHTTPException):
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return JSONResponse({"error": {"message": detail, "type": kind, "param": None, "code": exc.status_code}},
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        err = (NotFound if exc.status_code == 404 else InvalidRequest)(detail, headers=getattr(exc, "headers", None))
+        err.status = exc.status_code
+        return _error_response(err, request.url.path)
 
     @app.exception_handler(Exception)
-    async def unexpected(_, exc: Exception):
+    async def unexpected(request, exc: Exception):
         log.exception("unhandled error")
-        return JSONResponse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
-                                       "param": None, "code": 500}}, status_code=500)
+        return _error_response(ApiError(f"internal error: {type(exc).__name__}"), request.url.path)
 
     app.add_middleware(GuardMiddleware, keys=api_keys, config=config)
+    if config.allowed_origins:  # added last, so outside the guard: a preflight carries no API key
+        # any request header, as vLLM allows: the browser SDKs send their own (x-stainless-*, anthropic-*);
+        # the origin list is the gate
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     return app

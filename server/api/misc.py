@@ -7,32 +7,50 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import InvalidRequest
-from . import generation, tools
-from .schemas import ERROR_RESPONSES, DetokenizeRequest, TokenizeRequest
+from . import generation, openai
+from .schemas import ERROR_RESPONSES
+from .tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(tags=["utility"], responses=ERROR_RESPONSES)
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, http: HttpRequest) -> dict:
-    tok = generation.engine_of(http).tokenizer
-    if (body.prompt is None) == (body.messages is None):
-        raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+    """vLLM's shape (`count`, `max_model_len`, `tokens`; `token_strs` if asked), taking llama-server's
+    `content` and `with_pieces` too."""
+    generation.check_model(http, body.model)
+    engine = generation.engine_of(http)
+    tok = engine.tokenizer
+    given = [name for name in ("prompt", "content", "messages") if getattr(body, name) is not None]
+    if len(given) != 1:
+        raise InvalidRequest(f"give exactly one of prompt, content or messages; got {', '.join(given) or 'none'}",
+                             param=given[1] if given else "prompt")
+    special = body.add_special_tokens if body.add_special_tokens is not None else body.add_special
     if body.messages is not None:
-        ids = tok.encode(tok.apply_chat_template([tools.plain_message(m) for m in body.messages]), add_special=False)
+        ids = openai.chat_prompt(tok, body, add_special=bool(special))
     else:
-        ids = tok.encode(body.prompt, add_special=body.add_special_tokens)
-    return {"tokens": ids, "count": len(ids), "max_model_len": generation.engine_of(http).max_context}
+        # vLLM's prompt gets the model's special tokens unless told not to; llama-server's content does not
+        text = body.prompt if body.prompt is not None else body.content
+        ids = tok.encode(text, add_special=special if special is not None else body.prompt is not None)
+    out: dict = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+    if body.with_pieces:
+        out["tokens"] = [{"id": i, "piece": tok.decode([i], skip_special=False)} for i in ids]
+    if body.return_token_strs:
+        out["token_strs"] = [tok.tokenizer.id_to_token(i) for i in ids]
+    return out
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, http: HttpRequest) -> dict:
+    """vLLM's `prompt`, and the same text as llama-server's `content`."""
+    generation.check_model(http, body.model)
     engine = generation.engine_of(http)
     vocab = engine.model.config.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-    return {"prompt": engine.tokenizer.decode(body.tokens, skip_special=False)}
+    text = engine.tokenizer.decode(body.tokens, skip_special=False)
+    return {"prompt": text, "content": text}
 
 
 @router.get("/health")
@@ -41,6 +59,12 @@ async def health(http: HttpRequest):
     if not engine.accepting:
         return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok", "model": http.app.state.config.model_name}
+
+
+@router.head("/health", response_class=Response, responses={200: {"description": "Serving"}})
+async def health_head(http: HttpRequest) -> Response:
+    """For probes that send HEAD (load balancers, uptime checks): the status alone."""
+    return Response(status_code=200 if generation.engine_of(http).accepting else 503)
 
 
 @router.get("/metrics")

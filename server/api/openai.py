@@ -1,7 +1,8 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models and /v1/models/{id}."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 
@@ -9,19 +10,19 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
+from models.tokenizer import ChatTemplateError, TextTokenizer
+
 from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, NotFound
 from . import generation, tools
+from .choice_stream import OPENAI_REASONS, ChoiceStream, usage
 from .tool_stream import ToolCallStream
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
+from .tokenize_schemas import TokenizeRequest
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
-
-# "timeout": the request's deadline passed while it ran (its `timeout`, or --request-timeout)
-OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout", "cancelled": "length",
-                  "error": "error"}
 
 
 def _finish_reason(reason: str, calls: int) -> str:
@@ -65,7 +66,7 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], 
     return tuple(out)
 
 
-def _output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: list[dict] | None) -> str | None:
+def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: list[dict] | None) -> str | None:
     """The grammar the output must match, from whichever one field asks for it (None: free text)."""
     rf = body.response_format
     asked = {
@@ -101,29 +102,50 @@ def _output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: l
     return grammars.check(grammar, param)
 
 
-def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None,
-           logprobs: int | None, tool_functions: list[dict] | None = None) -> list[Sequence]:
+def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, logprobs: int | None,
+            tool_functions: list[dict] | None = None) -> SamplingParams:
     generation.check_model(http, body.model)
     engine = generation.engine_of(http)
-    grammar = _output_grammar(engine.grammars, body, tool_functions)
+    grammar = output_grammar(engine.grammars, body, tool_functions)
     params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar)
     if len(params.stop) > engine.config.max_stop_strings:
         raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
-    return generation.start(
-        http, generation.session_id_of(http, body.session_id), prompt, params,
-        resend=True, n=body.n, scheduling=Scheduling(body.priority, body.timeout),
-    )
+    return params
 
 
-def _usage(finished: list[Finished]) -> dict:
-    """One prompt, however many choices: its tokens (and the cached part) count once."""
-    first, completion = finished[0], sum(f.completion_tokens for f in finished)
-    return {
-        "prompt_tokens": first.prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
-    }
+def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None,
+           logprobs: int | None, tool_functions: list[dict] | None = None) -> list[Sequence]:
+    return _start_prompts(http, body, [prompt], _params(http, body, max_tokens, logprobs, tool_functions))
+
+
+def _start_prompts(http: HttpRequest, body: _OpenAISampling, prompts: list[list[int]],
+                   params: SamplingParams) -> list[Sequence]:
+    """Each prompt's n choices, in order (choice index = prompt index * n + choice). A prompt refused
+    cancels those started before it: the request runs whole or not at all."""
+    session_id = generation.session_id_of(http, body.session_id)
+    if len(prompts) > 1 and session_id is not None:
+        raise InvalidRequest("a list of prompts runs each on temporary sessions; send it without a session id",
+                             param="prompt")
+    reqs: list[Sequence] = []
+    try:
+        for prompt in prompts:
+            reqs += generation.start(http, session_id, prompt, params, resend=True, n=body.n,
+                                     scheduling=Scheduling(body.priority, body.timeout))
+    except Exception:
+        for req in reqs:
+            generation.engine_of(http).cancel(req)
+        raise
+    return reqs
+
+
+def chat_prompt(tok: TextTokenizer, body: ChatCompletionRequest | TokenizeRequest, add_special: bool = False) -> list[int]:
+    """The prompt ids of a chat: its messages and tools through the chat template (the chat route's and /tokenize's)."""
+    messages, template_tools = tools.chat_messages(body, tok.template_has_tools)
+    try:
+        text = tok.apply_chat_template(messages, body.add_generation_prompt, template_tools)
+    except ChatTemplateError as e:  # the template's own checks, on roles and their order
+        raise InvalidRequest(str(e), param="messages") from None
+    return tok.encode(text, add_special=add_special)
 
 
 def _chat_logprobs(tok, events: list[TokenEvent]) -> dict:
@@ -134,22 +156,29 @@ def _chat_logprobs(tok, events: list[TokenEvent]) -> dict:
     return {"content": [{**entry(e.token, e.logprob), "top_logprobs": [entry(i, lp) for i, lp in e.top]} for e in events]}
 
 
-def _completion_logprobs(tok, events: list[TokenEvent], offset: int = 0) -> dict:
-    tokens = [tok.decode([e.token], skip_special=False) for e in events]
+def _completion_logprobs(tok, events: list[TokenEvent], offset: int = 0, prompt: list[int] = (),
+                         scores: list | None = None) -> dict:
+    """The generated tokens' logprobs, after those of the echoed `prompt` (whose first token has none, nor
+    has any where the first choice ended before scoring it) if given, with text offsets from `offset`."""
+    scores = scores or [None] * len(prompt)
+    rows = [(t, None, None) if s is None else (t, s.logprob, s.top) for t, s in zip(prompt, scores)]
+    rows += [(e.token, e.logprob, e.top) for e in events]
+    tokens = [tok.decode([t], skip_special=False) for t, _, _ in rows]
     offsets, at = [], offset
     for t in tokens:
         offsets.append(at)
         at += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in events],
-        "top_logprobs": [{tok.decode([i], skip_special=False): lp for i, lp in e.top} for e in events],
+        "token_logprobs": [lp for _, lp, _ in rows],
+        "top_logprobs": [{tok.decode([i], skip_special=False): lp for i, lp in top} if top is not None else None
+                         for _, _, top in rows],
         "text_offset": offsets,
     }
 
 
-def _response(http: HttpRequest, kind: str, finished: list[Finished], choices: list[dict]) -> dict:
-    """A whole (non-streamed) completion or chat completion."""
+def _response(http: HttpRequest, kind: str, finished: list[Finished], choices: list[dict], n: int) -> dict:
+    """A whole (non-streamed) completion or chat completion, of n choices per prompt."""
     return {
         "id": ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12),
         "object": "chat.completion" if kind == "chat" else "text_completion",
@@ -157,7 +186,7 @@ def _response(http: HttpRequest, kind: str, finished: list[Finished], choices: l
         "model": http.app.state.config.model_name,
         "choices": [{"index": i, "finish_reason": OPENAI_REASONS[f.reason], **choice}
                     for i, (choice, f) in enumerate(zip(choices, finished))],
-        "usage": _usage(finished),
+        "usage": usage(finished, n),
     }
 
 
@@ -165,89 +194,51 @@ async def _collect_all(http: HttpRequest, reqs: list[Sequence]) -> list[tuple[li
     return list(await asyncio.gather(*(generation.collect(http, r) for r in reqs)))
 
 
-class _Stream:
-    """Turns engine events of one request's choices into OpenAI SSE chunks."""
-
-    def __init__(self, http, reqs, body, kind: str, make_choice, want_logprobs: bool, make_final=None) -> None:
-        self.http, self.reqs, self.body, self.make_choice, self.want_logprobs = http, reqs, body, make_choice, want_logprobs
-        # the last chunks of a choice (by default, its tail text and finish reason)
-        self.make_final = make_final or (lambda i, f: [make_choice(i, f.text, None, OPENAI_REASONS[f.reason])])
-        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + secrets.token_hex(12)
-        self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        self.created, self.model = int(time.time()), http.app.state.config.model_name
-
-    def chunk(self, choices: list, usage: dict | None = None) -> str:
-        out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices}
-        if usage is not None:
-            out["usage"] = usage
-        return generation.sse(out)
-
-    async def _events(self):
-        if len(self.reqs) == 1:  # no task per choice on the common path
-            async for event in generation.events(self.http, self.reqs[0], watch_disconnect=False):
-                yield 0, event
-        else:
-            async for pair in generation.merged(self.http, self.reqs):
-                yield pair
-
-    async def __aiter__(self):
-        for i in range(len(self.reqs)):
-            first = self.make_choice(i, None, None, None, first=True)
-            if first is not None:
-                yield self.chunk([first])
-        finished: list[Finished | None] = [None] * len(self.reqs)
-        async for i, event in self._events():
-            if isinstance(event, TokenEvent):
-                choice = self.make_choice(i, event.text, event if self.want_logprobs else None, None)
-                if choice is not None:
-                    yield self.chunk([choice])
-                continue
-            if event.error is not None:
-                yield generation.sse_error(event.error)
-                return
-            if event.last is not None:  # the token that ended the choice comes with its end
-                choice = self.make_choice(i, event.last.text, event.last if self.want_logprobs else None, None)
-                if choice is not None:
-                    yield self.chunk([choice])
-            finished[i] = event
-            for choice in self.make_final(i, event):
-                yield self.chunk([choice])
-        opts = self.body.stream_options
-        if opts is not None and opts.include_usage:
-            yield self.chunk([], _usage(finished))
-        yield generation.sse("[DONE]")
+def _prompts(prompt: str | list) -> list[str | list[int]]:
+    """A list of strings or of id lists is several prompts; a list of ids is one."""
+    return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: HttpRequest):
     tok = generation.engine_of(http).tokenizer
-    prompt = body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt)
-    reqs = _start(http, body, prompt, body.max_tokens, body.logprobs)
-    echo = (body.prompt if isinstance(body.prompt, str) else tok.decode(body.prompt)) if body.echo else ""
+    prompts = _prompts(body.prompt)
+    ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+    scoring = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs too
+    params = _params(http, body, body.max_tokens, body.logprobs)
+    reqs = _start_prompts(http, body, ids, dataclasses.replace(params, prompt_logprobs=body.logprobs) if scoring else params)
+    # choice i answers prompt i // n; ids decode only once the engine has checked them
+    echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in prompts]
     if body.stream:
         def choice(i, text, event, reason, first=False):
             if first:
-                return {"index": i, "text": echo, "logprobs": None, "finish_reason": None} if echo else None
+                echo = echoes[i // body.n]
+                lp = _completion_logprobs(tok, [], 0, ids[i // body.n], reqs[i].prompt_logprobs) if scoring else None
+                return {"index": i, "text": echo, "logprobs": lp, "finish_reason": None} if echo else None
             if not text and event is None and reason is None:
                 return None
             lp = _completion_logprobs(tok, [event]) if event is not None else None
             return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": reason}
 
-        return StreamingResponse(_Stream(http, reqs, body, "completion", choice, body.logprobs is not None).__aiter__(),
-                                 media_type="text/event-stream", headers=generation.SSE_HEADERS)
+        # a scored prompt is known by the choice's first event: its echo waits for it
+        stream = ChoiceStream(http, reqs, body, "completion", choice, body.logprobs is not None, first_waits=scoring)
+        return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
-    choices = [{"text": echo + f.output,
-                "logprobs": _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None}
-               for events, f in results]
-    return _response(http, "completion", [f for _, f in results], choices)
+    choices = []
+    for i, (events, f) in enumerate(results):
+        echo = echoes[i // body.n]
+        if scoring:
+            lp = _completion_logprobs(tok, events, 0, ids[i // body.n], reqs[i].prompt_logprobs)
+        else:
+            lp = _completion_logprobs(tok, events, len(echo)) if body.logprobs is not None else None
+        choices.append({"text": echo + f.output, "logprobs": lp})
+    return _response(http, "completion", [f for _, f in results], choices, body.n)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     tok = generation.engine_of(http).tokenizer
-    messages, template_tools = tools.chat_messages(body, tok.template_has_tools)
-    text = tok.apply_chat_template(messages, body.add_generation_prompt, template_tools)
-    prompt = tok.encode(text, add_special=False)
+    prompt = chat_prompt(tok, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools.forced_tools(body)
@@ -275,7 +266,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
             out = [c for c in (last, {"index": i, "delta": delta, "logprobs": None, "finish_reason": None} if delta else None) if c]
             return [*out, {"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(f.reason, calls[i].complete)}]
 
-        return StreamingResponse(_Stream(http, reqs, body, "chat", choice, body.logprobs, final).__aiter__(),
+        return StreamingResponse(ChoiceStream(http, reqs, body, "chat", choice, body.logprobs, final).__aiter__(),
                                  media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
     choices = []
@@ -284,16 +275,27 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         choices.append({"message": message, "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
                         "finish_reason": _finish_reason(f.reason, len(calls))})
-    return _response(http, "chat", [f for _, f in results], choices)
+    return _response(http, "chat", [f for _, f in results], choices, body.n)
 
 
-@router.get("/v1/models")
-async def models(http: HttpRequest) -> dict:
-    engine = generation.engine_of(http)
-    return {"object": "list", "data": [{
+def _model(http: HttpRequest) -> dict:
+    return {
         "id": http.app.state.config.model_name,
         "object": "model",
         "created": http.app.state.started,
         "owned_by": "kvserve",
-        "max_model_len": engine.max_context,
-    }]}
+        "max_model_len": generation.engine_of(http).max_context,
+    }
+
+
+@router.get("/v1/models")
+async def models(http: HttpRequest) -> dict:
+    return {"object": "list", "data": [_model(http)]}
+
+
+@router.get("/v1/models/{model_id:path}")  # a served name may hold "/" (org/model)
+async def model(model_id: str, http: HttpRequest) -> dict:
+    served = http.app.state.config.model_name
+    if model_id != served:
+        raise NotFound(f"the model {model_id!r} does not exist; this server serves {served!r}", param="model")
+    return _model(http)

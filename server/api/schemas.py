@@ -3,12 +3,46 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOKENS_LIMIT = 1 << 20
 Priority = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # within the caller's tenant, lower goes first
 Timeout = Annotated[float, Field(gt=0.0, le=7 * 86400.0)]  # seconds from arrival; queued past it: 408; running: ends
-StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)]
+MAX_STOP_STRINGS = 64
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
+
+
+def _fail(kind: str, message: str):
+    """One error with its own message: a union's members would otherwise each report why they failed."""
+    raise PydanticCustomError(kind, message)
+
+
+def _stop_count(value: Any) -> Any:
+    if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+        _fail("too_long", f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(value)}")
+    return value
+
+
+def _ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_shape(value: Any) -> Any:
+    """A prompt is a string or token ids; a list of either is several prompts."""
+    several = isinstance(value, list) and value and (all(isinstance(v, str) for v in value) or all(map(_ids, value)))
+    if not (isinstance(value, str) or _ids(value) or several):
+        _fail("prompt_type", "prompt must be a string, token ids, a list of strings, or a list of lists of token ids")
+    if several and len(value) > MAX_PROMPTS:
+        _fail("too_long", f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(value)}")
+    empty = next((i for i, v in enumerate(value if several else ()) if not v), None)
+    if not value or empty is not None:
+        _fail("too_short", "prompt is empty" if empty is None else f"prompt {empty} of the list is empty")
+    return value
+
+
+StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP_STRINGS)]
 
 
 # Fields that only annotate a request: accepted and ignored.
@@ -30,9 +64,13 @@ class _Body(BaseModel):
         for name, value in (self.model_extra or {}).items():
             if value is None or name in ANNOTATION_FIELDS:
                 continue
-            why = "is not supported" if name in UNSUPPORTED_FIELDS else "is not a known field"
-            raise ValueError(f"'{name}' {why}: kvserve refuses fields that would change the output and that it does not implement")
+            raise ValueError(self._refusal(name))
         return self
+
+    @classmethod
+    def _refusal(cls, name: str) -> str:
+        why = "is not supported" if name in UNSUPPORTED_FIELDS else "is not a known field"
+        return f"'{name}' {why}: kvserve refuses fields that would change the output and that it does not implement"
 
 
 class TGIGrammar(_Body):
@@ -147,7 +185,7 @@ class _OpenAISampling(_Body):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None
-    stop: Annotated[str, Field(min_length=1, max_length=256)] | StopList | None = None
+    stop: Annotated[Annotated[str, Field(min_length=1, max_length=256)] | StopList | None, BeforeValidator(_stop_count)] = None
     stop_token_ids: Annotated[list[int], Field(max_length=64)] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -170,7 +208,12 @@ class _OpenAISampling(_Body):
 class CompletionRequest(_OpenAISampling):
     """OpenAI `/v1/completions` body."""
 
-    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+    # one prompt (text or token ids) or several, each run with n choices
+    prompt: Annotated[
+        Annotated[str, Field(min_length=1)] | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+        BeforeValidator(_prompt_shape)]
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
 
@@ -180,9 +223,22 @@ class ContentPart(_Body):
     text: str
 
 
+def _text_parts(value: Any) -> Any:
+    """Only text parts: an image or audio part gets its own error, not every union member's."""
+    for part in value if isinstance(value, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str):
+            _fail("content_part", "each content part is an object with a 'type', such as {\"type\": \"text\", \"text\": ...}")
+        if kind in IMAGE_PARTS:
+            _fail("image_input", "image inputs are not supported: this server serves a text-only model")
+        if kind != "text":
+            _fail("content_part", f"content parts of type {kind!r} are not supported; only 'text' parts are")
+    return value
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Annotated[str | list[ContentPart] | None, BeforeValidator(_text_parts)] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
@@ -221,16 +277,6 @@ class SessionFork(_Body):
 
 class SessionRewind(_Body):
     length: Annotated[int, Field(ge=0)]
-
-
-class TokenizeRequest(_Body):
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-
-
-class DetokenizeRequest(_Body):
-    tokens: Annotated[list[int], Field(max_length=1 << 20)]
 
 
 class ErrorDetail(BaseModel):

@@ -15,7 +15,8 @@ from .schemas import ERROR_RESPONSES, GenerateParameters, GenerateRequest
 router = APIRouter(tags=["tgi"], responses=ERROR_RESPONSES)
 
 TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "timeout": "timeout",
-               "cancelled": "length", "error": "length"}
+               "cancelled": "length", "error": "length",
+               "unmet": "length"}  # TGI has no reason for output that missed its grammar: it is incomplete
 
 
 def tgi_grammar(grammars: Grammars, p: GenerateParameters) -> str | None:

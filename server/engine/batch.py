@@ -18,6 +18,11 @@ class Chunk:
     tokens: tuple[int, ...]
     start: int  # position of tokens[0] (== the session's cached length before the step)
     sample: bool
+    # A request that scores its prompt (echo with logprobs): the prompt tokens its first rows predict, row j
+    # the one after tokens[j] (its last row's is the next chunk's first); the runner returns each one's
+    # logprob with the row's top `scored_top`. Empty for every other chunk, which adds no logit rows.
+    scored: tuple[int, ...] = ()
+    scored_top: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import llguidance
@@ -19,11 +20,14 @@ from llguidance.gbnf_to_lark import any_to_lark
 from models.tokenizer import TextTokenizer
 
 from ..errors import InvalidRequest
+from .closing import OPEN, WINDOW, Ending, Vocabulary, nest
+from .grammar_ends import can_end
 
 
 # Fixed separators and no free whitespace in generated JSON: a small model otherwise pads it with
 # newlines and indentation until max_tokens.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+RECHECK = 16  # tokens between looks for the shortest ending while the end is still far
 
 
 class Grammars:
@@ -32,6 +36,7 @@ class Grammars:
     def __init__(self, tokenizer: TextTokenizer, max_context: int) -> None:
         self._tokenizer, self.max_context = tokenizer, max_context
         self._ll: llguidance.LLTokenizer | None = None
+        self._vocab: Vocabulary | None = None
         self._lock = threading.Lock()
 
     @property
@@ -42,6 +47,15 @@ class Grammars:
                 self._ll = llguidance.LLTokenizer(tok.tokenizer.to_str(), n_vocab=tok.vocab_size,
                                                   eos_token=sorted(tok.eos_ids) or None)
             return self._ll
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        with self._lock:
+            if self._vocab is None:
+                tok = self._tokenizer
+                texts = tok.tokenizer.decode_batch([[i] for i in range(tok.vocab_size)], skip_special_tokens=False)
+                self._vocab = Vocabulary.of(texts, frozenset(tok.eos_ids))
+            return self._vocab
 
     # ---- grammars, from what clients send ------------------------------------------------------
     @staticmethod
@@ -63,9 +77,14 @@ class Grammars:
     def lark(text: str, param: str) -> str:
         """A Lark grammar, or GBNF (llama.cpp's format), which llguidance converts."""
         try:
-            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+            lark = any_to_lark(text)
+            grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         except Exception as e:  # the GBNF converter raises plain exceptions on bad input
             raise InvalidRequest(f"the grammar does not parse: {e}", param=param) from None
+        if can_end(lark) is False:
+            raise InvalidRequest(f"invalid {param}: no output can complete it: every alternative of its start rule "
+                                 "recurses, so it can never end", param=param)
+        return grammar
 
     @staticmethod
     def choice(options: list[str]) -> str:
@@ -102,7 +121,8 @@ class Grammars:
         takes the engine's lock, which the model thread would otherwise wait on."""
         if grammar is None:
             return None
-        return Constraint(llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0), self._tokenizer.vocab_size)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        return Constraint(matcher, Ending(self.vocabulary, self._tokenizer.vocab_size))
 
 
 def _forces_past(matcher: llguidance.LLMatcher, limit: int) -> bool:
@@ -121,19 +141,65 @@ def _forces_past(matcher: llguidance.LLMatcher, limit: int) -> bool:
 
 
 class Constraint:
-    """One request's grammar state: the tokens it allows next, advanced by each sampled token."""
+    """One request's grammar state: the tokens it allows next, advanced by each sampled token, and the
+    shortest ending from here, so that a reply near its last tokens closes in time (closing.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: int) -> None:
-        self.matcher, self.vocab = matcher, vocab
-        self._bits = np.zeros((vocab + 31) // 32, dtype=np.int32)
+    def __init__(self, matcher: llguidance.LLMatcher, ending: Ending) -> None:
+        self.matcher, self.ending = matcher, ending
+        self.nesting = OPEN
+        self.ending_tokens: list[int] | None = None  # the shortest ending found from here (None: none in reach)
+        self._looked_at: int | None = None  # the tokens left when it was looked for; None: look again
+        self._next: tuple[int, list[int]] | None = None  # the token settle() let through, and the ending after it
+        # the longest ending seen in this reply: what one token that opens a new structure (another tool
+        # call, a nested object) may cost, so sampled tokens are checked from that far before the end
+        self._reach = 0
+        self._left = 0  # the tokens left at the last mask
+        self.failed = False  # the grammar allowed no token at all: the reply cannot meet it
 
-    def allowed(self) -> np.ndarray:
-        """bool [vocab]: the tokens that keep the output within the grammar (EOS once it is complete)."""
-        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab].astype(bool)
+    def allowed(self, left: int) -> np.ndarray:
+        """bool [vocab]: the tokens that keep the output within the grammar (EOS once it is complete), with
+        `left` tokens the reply may still take."""
+        mask = self.ending.allowed(self.matcher)
+        self._left = left
+        if not mask.any():
+            self.failed = True
+            mask[sorted(self.ending.vocab.eos)] = True  # end the reply: its finish says the grammar was not met
+            return mask
+        if self._looked_at is None or self._looked_at - left >= RECHECK:
+            self.ending_tokens = self.ending.search(self.matcher.deep_copy(), self.nesting, left)
+            self._looked_at = left
+            self._reach = max(self._reach, len(self.ending_tokens or ()))
+        return mask
+
+    def settle(self, token: int, left: int, ranked: Callable[[], list[int]]) -> int:
+        """The token to take: the sampled `token`, unless the reply could then no longer end within the
+        `left` tokens it has; then the best of the model's `ranked` choices that still can, or else the
+        ending's next token."""
+        ending = self.ending_tokens
+        if not ending or left > self._reach + WINDOW:
+            return token
+        for t in dict.fromkeys([token, *ranked()]):
+            if t == ending[0]:
+                return t
+            after = self.ending.after(self.matcher, self.nesting, t, left - 1)
+            if after is not None:
+                self._next = (t, after)
+                return t
+        return ending[0]
 
     def accept(self, token: int) -> None:
         self.matcher.consume_token(token)
+        self.nesting = nest(self.nesting, self.ending.vocab.texts[token])
+        ending, after = self.ending_tokens, self._next
+        self._next = None
+        if ending and ending[0] == token:
+            self.ending_tokens = ending[1:]
+        elif after is not None and after[0] == token:
+            self.ending_tokens = after[1]
+        else:
+            self.ending_tokens = None
+            if self._left - 1 <= self._reach + WINDOW:
+                self._looked_at = None  # near the end: look again before the next token
 
     @property
     def done(self) -> bool:

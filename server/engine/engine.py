@@ -133,7 +133,9 @@ class Engine(SessionOps):
                        kept=turn.kept, sink=self._post, constraint=constraint, priority=scheduling.priority, timeout=timeout)
         session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
-        req.fetch = self.pool.prefetch(session) if fetch else None
+        if req.scores_prompt:  # it runs its whole prompt itself: the kept history's KV holds no logits
+            session.truncate_cache(req.prompt_start)
+        req.fetch = self.pool.prefetch(session) if fetch and not req.scores_prompt else None
         self.scheduler.add(req)
         self._update_gauges()
         return req
@@ -223,7 +225,7 @@ class Engine(SessionOps):
             self._wake.wait(0.005 if waiting else None)
             return
         try:
-            sampled = self.runner.run(batch)
+            sampled, scores = self.runner.run(batch)
         except Exception as e:  # one bad step fails its requests, never the server
             log.exception("step failed")
             with self.lock:
@@ -234,7 +236,7 @@ class Engine(SessionOps):
             self.metrics.step_sessions.observe(len(batch.chunks))
             self.metrics.generation_tokens.inc(len(sampled))
             self.recent.record(len(batch.chunks), batch.n_tokens, len(sampled))
-            self.scheduler.postprocess(batch, sampled)
+            self.scheduler.postprocess(batch, sampled, scores)
             self._observe_finished()
 
     def _post(self, queue: asyncio.Queue, event: object) -> None:

@@ -84,9 +84,11 @@ class KVPool:
         if self.tier is not None and session.persistent:
             self.tier.delete_session(session.id)
 
-    def ensure(self, session: Session, reuse: Session | None = None, fetched: dict | None = None) -> None:
+    def ensure(self, session: Session, reuse: Session | None = None, fetched: dict | None = None,
+               limit: int | None = None) -> None:
         """Give a session without a cache one, starting from `reuse`'s KV (a fork) or from the longest
-        cached prefix of its history. Raises PoolExhausted (nothing installed) if a static one cannot reserve."""
+        cached prefix of its history (of its first `limit` tokens, if given). Raises PoolExhausted (nothing
+        installed) if a static one cannot reserve."""
         if session.cache is not None:
             return
         if reuse is not None and reuse.cache is not None:
@@ -96,7 +98,8 @@ class KVPool:
             return
         cache = SessionCache(self.config_for(session), self.blocks)
         # the last token is always run again: its logits start the reply
-        cache.attach_prefix(session.tokens[: len(session.tokens) - 1], fetched)
+        end = len(session.tokens) - 1 if limit is None else min(len(session.tokens) - 1, limit)
+        cache.attach_prefix(session.tokens[:end], fetched)
         session.cache = self.registry.install(session.id, cache)
 
     def fork(self, parent: Session, child: Session) -> None:

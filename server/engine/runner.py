@@ -10,7 +10,7 @@ from kvcache import CacheConfig, CacheRegistry, SessionCache
 from models.export import LoadedModel
 
 from .batch import StepBatch
-from .sampling import Sampled, sample
+from .sampling import Sampled, sample, score
 
 
 WARM_UP_TOKENS = 8  # rows enough for every matmul to take its batched path once
@@ -42,14 +42,16 @@ class ModelRunner:
         finally:
             self.registry.uninstall(WARM_UP_KEY)
 
-    def run(self, batch: StepBatch) -> list[Sampled]:
+    def run(self, batch: StepBatch) -> tuple[list[Sampled], list[list[Sampled]]]:
         """set_active (validate, reserve) -> forward -> commit, or abort if it raised; sample the rows of
-        the chunks that ask for it."""
-        masks = [self._masks.submit(r.constraint.allowed) if r.constraint is not None else None for r in batch.rows]
+        the chunks that ask for it -> (one Sampled per sampling chunk, the scored rows of each scored chunk),
+        each in chunk order."""
+        masks = [self._masks.submit(r.constraint.allowed, r.left) if r.constraint is not None else None for r in batch.rows]
         tokens = [t for c in batch.chunks for t in c.tokens]
         positions = [c.start + i for c in batch.chunks for i in range(len(c.tokens))]
-        ends, at = [], 0
+        ends, scored, at = [], [], 0
         for c in batch.chunks:
+            scored += range(at, at + len(c.scored))  # a scored chunk's rows each predict a prompt token
             at += len(c.tokens)
             if c.sample:
                 ends.append(at - 1)  # the last row of a chunk predicts the token after it
@@ -59,7 +61,7 @@ class ModelRunner:
                 logits = self.model.forward(
                     torch.tensor([tokens], dtype=torch.long),  # [1, n]
                     torch.tensor(positions, dtype=torch.long).unsqueeze(1),  # [n, 1]
-                    torch.tensor(ends if ends else [0], dtype=torch.long),  # [m]
+                    torch.tensor(ends + scored or [0], dtype=torch.long),  # [m]: the sampled rows, then the scored
                 )
             step.commit()
         except BaseException:
@@ -67,4 +69,15 @@ class ModelRunner:
             raise
         finally:
             self.registry.set_active(None)
-        return sample(logits, list(batch.rows), [m.result() if m is not None else None for m in masks]) if ends else []
+        sampled = sample(logits[: len(ends)], list(batch.rows), [m.result() if m is not None else None for m in masks]) if ends else []
+        return sampled, self._scores(batch, logits[len(ends) :]) if scored else []
+
+    @staticmethod
+    def _scores(batch: StepBatch, rows: torch.Tensor) -> list[list[Sampled]]:
+        """The scored rows [r, V], in chunk order -> each scored chunk's prompt logprobs."""
+        out, at = [], 0
+        for c in batch.chunks:
+            if c.scored:
+                out.append(score(rows[at : at + len(c.scored)], c.scored, c.scored_top))
+                at += len(c.scored)
+        return out

@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k
     logit_bias: tuple[tuple[int, float], ...] = ()  # added to those tokens' logits; -100 bans a token
     grammar: str | None = None  # an llguidance grammar the output must match (server/engine/constraints.py)
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus the top k (echo)
 
     @property
     def greedy(self) -> bool:
@@ -54,6 +55,11 @@ class SampleRow:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # the grammar the row's output must match
+
+    @property
+    def left(self) -> int:
+        """Tokens the row's reply may still take, this one included."""
+        return self.params.max_tokens - len(self.output_ids)
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,7 @@ def _covered(p: SamplingParams, top: torch.Tensor, log_total: torch.Tensor, k: i
     return p.min_p > 0.0 and float(top[-1] - top[0]) < math.log(p.min_p)
 
 
+RANKED = 4  # the model's choices a reply near its end may take instead of one it could not close after
 BANNED = -100.0  # OpenAI's logit_bias floor: "should result in a ban"
 
 
@@ -179,6 +186,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray
         drawn = (pick if order is None else order.gather(1, pick)).squeeze(1)
         tokens = torch.where(greedy, tokens, drawn)
     out = tokens.tolist()
+    for i, r in enumerate(rows):
+        if r.constraint is not None:  # near its end, a constrained reply takes only tokens it can still close after
+            out[i] = r.constraint.settle(out[i], r.left, lambda i=i: logits[i].topk(RANKED).indices.tolist())
     if all(r.params.logprobs is None for r in rows):
         return [Sampled(t) for t in out]
     logp = raw.log_softmax(-1)
@@ -193,3 +203,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray
             top = tuple(zip(ids.tolist(), values.tolist()))
         result.append(Sampled(t, float(logp[i, t]), top))
     return result
+
+
+def score(logits: torch.Tensor, targets: tuple[int, ...], top: int) -> list[Sampled]:
+    """logits [r, V] float32, rows of a prompt, and targets [r], the prompt token after each row -> each
+    target's log-probability, with the row's top `top`. Raw, before bias, penalties and grammar, as vLLM's
+    prompt logprobs: they say how likely the model finds the text, not what the request would sample."""
+    logp = logits.log_softmax(-1)  # [r, V]
+    chosen = logp.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()  # [r]
+    tops: list[tuple[tuple[int, float], ...]] = [()] * len(targets)
+    if top > 0:
+        values, ids = logp.topk(top, dim=-1)  # [r, top] each
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    return [Sampled(t, lp, tp) for t, lp, tp in zip(targets, chosen, tops)]

@@ -6,7 +6,8 @@ of waiting ones as they are admitted. Waiting requests are admitted fairly betwe
 whose tenant has been served the fewest (weighted) tokens goes first, by priority and then arrival
 within a tenant (server/engine/tenants.py), up to each tenant's share of the running slots. An
 admitted request's session starts from the longest cached prefix of its history (or from its parent's
-KV, for the choices of one `n` > 1 request), so only the rest is prefilled. KV blocks come from the
+KV, for the choices of one `n` > 1 request), so only the rest is prefilled; one that scores its prompt
+(echo with logprobs) prefills it whole, since only a row run gives logits. KV blocks come from the
 pool's free and cached blocks, then from evicting idle sessions (least recently used first) and,
 failing that, from preempting the youngest running request, whose KV is dropped and recomputed later.
 A request past its deadline ends as a cancel would: with its tokens so far, or, if it never ran, with
@@ -142,7 +143,7 @@ class Scheduler:
                     return None
             fetched = _fetched(req)
             try:
-                self.pool.ensure(session, reuse=req.parent.session if req.parent is not None else None, fetched=fetched)
+                self.pool.ensure(session, req.parent.session if req.parent is not None else None, fetched, req.reuse_limit)
             except PoolExhausted:
                 return None
         n = min(len(session.pending), tokens_left)
@@ -162,7 +163,8 @@ class Scheduler:
     def _chunk(self, req: Sequence, n: int) -> Chunk:
         s = req.session
         pending = s.pending
-        return Chunk(req.id, s.id, s.cache, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens)
+        return Chunk(req.id, s.id, s.cache, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens,
+                     scored=req.prompt_targets(s.cached_length, n), scored_top=req.params.prompt_logprobs or 0)
 
     def evict_idle(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
         """Drop idle sessions' KV, least recently used first, until `need` more blocks are free -> whether they are."""
@@ -233,16 +235,19 @@ class Scheduler:
             self.pool.drop(session)
             self.sessions.remove(session)
 
-    def postprocess(self, batch: StepBatch, sampled: list[Sampled]) -> None:
-        """Apply one step's sampled tokens (one per sampling chunk, in order)."""
+    def postprocess(self, batch: StepBatch, sampled: list[Sampled], scores: list[list[Sampled]] = ()) -> None:
+        """Apply one step's sampled tokens and prompt logprobs (one per sampling, or scored, chunk, in order)."""
         self._in_flight = set()
-        it = iter(sampled)
+        it, scored = iter(sampled), iter(scores)
         for chunk in batch.chunks:
             req = self.by_id.get(chunk.request_id)
             token = next(it) if chunk.sample else None
+            rows = next(scored) if chunk.scored else None
             if req is None:
                 continue
             assert req.session.cached_length == chunk.start + len(chunk.tokens)
+            if rows is not None:
+                req.scored(chunk.start, rows)  # before its first event, which tells the API they are there
             req.session.cache.publish(req.session.tokens, durable=req.session.persistent)  # full blocks become reusable prefixes
             if req.stop_at is not None:
                 req.end_at(req.stop_at)

@@ -41,7 +41,9 @@ class TokenEvent:
 class Finished:
     """The end of a request, with its usage."""
 
-    reason: str  # "eos" | "stop" | "length" | "timeout" (its deadline passed while it ran) | "cancelled" | "error"
+    # "eos" | "stop" | "length" | "timeout" (its deadline passed while it ran) | "cancelled" | "error"
+    # | "unmet" (its output constraint could not be met)
+    reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
@@ -80,6 +82,9 @@ class Sequence:
     admitted_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # Its prompt's logprobs (params.prompt_logprobs), by the position of the token scored, as its prefill
+    # runs; complete before its first event, which is when the API reads them
+    scores: dict[int, Sampled] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(62)
@@ -93,6 +98,43 @@ class Sequence:
 
     def past_deadline(self, now: float) -> bool:
         return self.timeout is not None and now >= self.arrival + self.timeout
+
+    @property
+    def prompt_start(self) -> int:
+        """Where this request's prompt begins in its history."""
+        return len(self.prompt_ids) - self.prompt_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill still owes its prompt's logprobs: it then runs every prompt token itself, as no
+        KV it did not compute (a cached prefix, the session's kept history) comes with logits. Of the
+        choices of n, only the first computes them."""
+        return self.params.prompt_logprobs is not None and self.parent is None and len(self.scores) < self.prompt_tokens - 1
+
+    @property
+    def reuse_limit(self) -> int | None:
+        """How much of its history may start from KV it did not compute; None: all of it."""
+        return self.prompt_start if self.scores_prompt else None
+
+    def prompt_targets(self, start: int, n: int) -> tuple[int, ...]:
+        """The tokens of its history that rows start..start+n-1 predict, if it scores its prompt (row j predicts
+        token j + 1; the prompt's last row predicts none)."""
+        return tuple(self.prompt_ids[start + 1 : start + n + 1]) if self.scores_prompt else ()
+
+    def scored(self, start: int, rows: list[Sampled]) -> None:
+        """The logprobs of the tokens after rows start.. (rows run again after a preemption give the same)."""
+        for position, s in enumerate(rows, start + 1):
+            if position > self.prompt_start:
+                self.scores[position] = s
+
+    @property
+    def prompt_logprobs(self) -> list[Sampled | None] | None:
+        """Its prompt's logprobs, token by token (the first has none), once known (another choice of n: its
+        first choice's); None if it asked for none or they never came (the first choice ended early)."""
+        owner = self.parent or self
+        if owner.params.prompt_logprobs is None or owner.scores_prompt:
+            return None
+        return [None, *(owner.scores[p] for p in range(owner.prompt_start + 1, len(owner.prompt_ids)))]
 
     def sample_row(self) -> SampleRow:
         return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids, self.constraint)
@@ -114,7 +156,9 @@ class Sequence:
         is_eos = s.token in eos_ids and not self.params.ignore_eos
         stop_token = s.token in self.params.stop_token_ids
         event = TokenEvent(s.token, logprob=s.logprob, top=s.top, ends_text=is_eos or stop_token)
-        if is_eos or (self.constraint is not None and self.constraint.done):
+        if self.constraint is not None and self.constraint.failed:
+            self.finish("unmet", last=event)  # its grammar allowed nothing more: the output does not meet it
+        elif is_eos or (self.constraint is not None and self.constraint.done):
             self.finish("eos", last=event)  # the reply ended by itself (or its grammar did)
         elif stop_token:
             self.finish("stop", last=event)  # one of the request's own stop tokens

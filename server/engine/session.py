@@ -42,6 +42,9 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)  # renewed by each use; starts its idle TTL
     ttl: float | None = None  # seconds it may stay idle in RAM (persistent sessions)
     disk_ttl: float = 0.0  # seconds its disk copy stays after that
+    # What a route keeps with the conversation (a stored response's object and items), JSON-safe; replaced,
+    # never mutated, since a record written behind may still hold the old one
+    meta: dict | None = None
 
     def touch(self) -> None:
         self.last_used = time.monotonic()
@@ -114,7 +117,7 @@ class Session:
         expires = self.disk_expires_at
         return {"id": self.id, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
                 "owner": self.owner, "used_at": round(self.used_at, 3),
-                "expires": round(expires, 3) if expires is not None else None}
+                "expires": round(expires, 3) if expires is not None else None, "meta": self.meta}
 
     def info(self) -> dict:
         expires = self.expires_at
@@ -205,7 +208,8 @@ class SessionStore:
     def restore(self, record: dict) -> Session:
         """A persistent session from its disk record: its history, with no KV resident yet."""
         session = Session(record["id"], int(record["capacity"]), Sizing(record["sizing"]), True, record.get("owner"),
-                          tokens=[int(t) for t in record["tokens"]])
+                          tokens=[int(t) for t in record["tokens"]],
+                          meta=record["meta"] if isinstance(record.get("meta"), dict) else None)
         used_at = record.get("used_at")
         if used_at is not None:  # its idle TTL goes on from its last use, not from the restart
             session.last_used = time.monotonic() - max(0.0, time.time() - used_at)

@@ -1,0 +1,160 @@
+"""Anthropic's Messages API: /v1/messages and /v1/messages/count_tokens.
+
+A thin adapter over the chat path of the OpenAI routes: the request becomes the OpenAI-shaped chat it
+means (system first; a tool_use block an assistant's tool call; a tool_result block a tool message),
+which tools.py renders and the chat template turns into the prompt. `tool_choice` any or a named tool
+is enforced by the same tool-call grammar, and the reply's calls are parsed (or streamed) by the same
+code. A final assistant message is a prefill: the reply continues it.
+"""
+from __future__ import annotations
+
+import json
+
+from fastapi import APIRouter
+from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import Scheduling, Sequence
+from ..errors import InvalidRequest
+from . import generation, tools
+from .anthropic_schemas import (ERROR_RESPONSES, CountTokensRequest, MediaBlock, Message, MessagesRequest, TextBlock,
+                                ToolResultBlock, ToolUseBlock)
+from .anthropic_stream import MessageStream, matched_stop, message, stop_reason, tool_use_id, usage
+from .anthropic_stream import error_body  # noqa: F401  (app.py renders errors under PREFIX with it)
+from .schemas import ChatCompletionRequest
+
+PREFIX = "/v1/messages"
+router = APIRouter(tags=["anthropic"], responses=ERROR_RESPONSES)
+
+
+def owns(path: str) -> bool:
+    """Whether errors on this path take Anthropic's shape."""
+    return path == PREFIX or path.startswith(PREFIX + "/")
+
+
+def _text_part(b: TextBlock | MediaBlock, at: str) -> dict:
+    """A text block as an OpenAI content part; an image or a document is refused."""
+    if isinstance(b, MediaBlock):
+        raise InvalidRequest(f"{b.type} inputs are not supported: this server serves a text-only model", param=at)
+    return {"type": "text", "text": b.text}
+
+
+def _parts(blocks: list[TextBlock | MediaBlock], where: str) -> list[dict]:
+    return [_text_part(b, f"{where}.{j}") for j, b in enumerate(blocks)]
+
+
+def _chat_messages(m: Message, where: str) -> list[dict]:
+    """One Anthropic message as OpenAI chat messages: a user's tool results each become a tool message."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out, text, calls = [], [], []
+    for j, b in enumerate(m.content):
+        at = f"{where}.content.{j}"
+        if isinstance(b, TextBlock | MediaBlock):
+            text.append(_text_part(b, at))
+        elif isinstance(b, ToolUseBlock):
+            if m.role != "assistant":
+                raise InvalidRequest("tool_use blocks belong in assistant messages", param=at)
+            calls.append({"id": b.id, "type": "function",
+                          "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+        else:
+            if m.role != "user":
+                raise InvalidRequest("tool_result blocks belong in user messages", param=at)
+            if text:  # text before a result keeps its place
+                out.append({"role": "user", "content": text})
+                text = []
+            out.append(_tool_message(b, at))
+    if text or calls or not out:
+        out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def _tool_message(b: ToolResultBlock, where: str) -> dict:
+    parts = [] if isinstance(b.content, str) else _parts(b.content or [], f"{where}.content")
+    content = b.content if isinstance(b.content, str) else "".join(p["text"] for p in parts)
+    return {"role": "tool", "tool_call_id": b.tool_use_id, "content": f"error: {content}" if b.is_error else content}
+
+
+def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
+    """The OpenAI-shaped chat this request means."""
+    messages = []
+    if body.system:
+        system = body.system if isinstance(body.system, str) else _parts(body.system, "system")
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(body.messages):
+        messages += _chat_messages(m, f"messages.{i}")
+    choice, named = body.tool_choice, None
+    if choice is not None:
+        named = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
+            {"type": "function", "function": {"name": choice.name}}
+    functions = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                   "parameters": t.input_schema}} for t in body.tools or []]
+    try:
+        return ChatCompletionRequest.model_validate({
+            "messages": messages, "tools": functions or None, "tool_choice": named,
+            "parallel_tool_calls": not (choice is not None and choice.disable_parallel_tool_use),
+        })
+    except ValidationError as e:  # e.g. more messages than a chat holds, once tool results are split out
+        raise InvalidRequest(f"the messages do not make a chat: {e.errors()[0]['msg']}", param="messages") from None
+
+
+def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionRequest, list[int]]:
+    """The request's chat and its prompt's tokens, through the chat template as for /v1/chat/completions."""
+    generation.check_model(http, body.model)
+    tok = generation.engine_of(http).tokenizer
+    chat = chat_request(body)
+    messages, template_tools = tools.chat_messages(chat, tok.template_has_tools)
+    prefill = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
+    text = tok.apply_chat_template(messages, True, template_tools) + prefill
+    return chat, tok.encode(text, add_special=False)
+
+
+def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: list[dict] | None,
+           parallel: bool) -> Sequence:
+    engine = generation.engine_of(http)
+    grammar = None
+    if forced is not None:
+        grammar = engine.grammars.check(engine.grammars.tool_calls(forced, parallel), "tool_choice")
+    stop = tuple(body.stop_sequences or ())
+    if len(stop) > engine.config.max_stop_strings:
+        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop sequences are allowed", param="stop_sequences")
+    params = SamplingParams(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature if body.temperature is not None else 1.0,
+        top_k=body.top_k or 0,
+        top_p=body.top_p if body.top_p is not None else 1.0,
+        stop=stop,
+        grammar=grammar,
+    )
+    return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params,
+                            resend=True, scheduling=Scheduling(body.priority, body.timeout))[0]
+
+
+def _tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": tool_use_id(), "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"])}
+
+
+@router.post(PREFIX)
+async def messages(body: MessagesRequest, http: HttpRequest):
+    chat, prompt = render(http, body)
+    forced = tools.forced_tools(chat)
+    names = {t.function.name for t in chat.tools or []} if tools.offers_tools(chat) else set()
+    req = _start(http, body, prompt, forced, chat.parallel_tool_calls)
+    if body.stream:
+        stream = MessageStream(http, req, names, forced is not None)
+        return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)
+    _, f = await generation.collect(http, req)
+    text, calls = tools.parse_tool_calls(f.output, names, forced is not None) if names else (f.output, [])
+    content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
+    reason = stop_reason(f.reason, len(calls))
+    stop = matched_stop(generation.engine_of(http).tokenizer, req, f) if reason == "stop_sequence" else None
+    return message(http, content, reason, stop, usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens))
+
+
+@router.post(PREFIX + "/count_tokens")
+async def count_tokens(body: CountTokensRequest, http: HttpRequest) -> dict:
+    _, prompt = render(http, body)
+    return {"input_tokens": len(prompt)}

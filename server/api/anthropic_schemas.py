@@ -1,0 +1,125 @@
+"""Request bodies of Anthropic's Messages API (/v1/messages, /v1/messages/count_tokens), validated by pydantic.
+
+`cache_control` is accepted on the request, its blocks and tools, and ignored: the prefix cache reuses any prompt prefix
+it holds, marked or not.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, Field, model_validator
+
+from . import schemas
+from .schemas import MAX_TOKENS_LIMIT, Priority, StopList, Timeout, _Body
+
+CacheControl = dict[str, Any] | None
+
+
+class TextBlock(_Body):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl = None
+    citations: list[Any] | None = None
+
+
+class MediaBlock(_Body):
+    """An image or a document: parsed so the refusal can name it (kvserve serves text-only models)."""
+
+    type: Literal["image", "document"]
+    source: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolUseBlock(_Body):
+    """An assistant's earlier call."""
+
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)]
+    input: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolResultBlock(_Body):
+    """The result of a call, in a user message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Field(min_length=1)]
+    content: str | list[Annotated[Union[TextBlock, MediaBlock], Field(discriminator="type")]] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl = None
+
+
+Block = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | Annotated[list[Block], Field(max_length=4096)]
+
+
+class Tool(_Body):
+    """A client tool: the model calls it, the client runs it and sends back a tool_result."""
+
+    type: Literal["custom"] | None = None
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+    cache_control: CacheControl = None
+
+
+class ToolChoice(_Body):
+    """auto: the model decides; any: it must call a tool; tool: it must call the named one; none: no tools."""
+
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+    @model_validator(mode="after")
+    def _named(self):
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("a tool_choice of type 'tool' names its tool, and only that type has a name")
+        return self
+
+
+class CountTokensRequest(_Body):
+    """`/v1/messages/count_tokens` body: what the prompt is made of."""
+
+    model: str
+    messages: Annotated[list[Message], Field(min_length=1, max_length=4096)]
+    system: str | list[TextBlock] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    cache_control: CacheControl = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """`/v1/messages` body (plus kvserve's session, priority and timeout)."""
+
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
+    stop_sequences: StopList | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    metadata: dict[str, Any] | None = None  # annotates only (user_id): ignored
+    stream: bool = False
+    session_id: str | None = None
+    priority: Priority = 0
+    timeout: Timeout | None = None
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    """Every error under /v1/messages."""
+
+    type: Literal["error"] = "error"
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    code: {**doc, "model": ErrorResponse} for code, doc in schemas.ERROR_RESPONSES.items()
+}

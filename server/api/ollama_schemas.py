@@ -1,0 +1,162 @@
+"""Request bodies of Ollama's API (/api/chat, /api/generate, /api/show), validated by pydantic, and its error shape.
+
+Options that only tune loading or speed (num_gpu, num_thread, ...) are accepted and ignored. Sampling
+options kvserve does not implement are accepted only at the value that turns them off, and refused
+otherwise, by name: a client must not get a different sampler than it asked for without knowing it.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from ..engine.sampling import SamplingParams
+from .schemas import MAX_TOKENS_LIMIT, StopList, Tool, _Body
+
+# Ollama's own defaults, where a request names none (its repeat_penalty 1.1 over the last 64 tokens has
+# no counterpart here: kvserve's penalties look at the whole context, so it defaults to off)
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+# an option kvserve does not implement -> the value at which it changes nothing
+OFF_VALUES = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
+
+
+class OllamaOptions(_Body):
+    """`options`: Ollama's sampling parameters and its runner's settings."""
+
+    num_predict: Annotated[int, Field(ge=-2, le=MAX_TOKENS_LIMIT)] | None = None  # -1: unbounded, -2: fill the context
+    num_ctx: Annotated[int, Field(gt=0, le=2**31 - 1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=2**31 - 1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # negative: a random seed, as Ollama's -1
+    stop: Annotated[str, Field(min_length=1, max_length=256)] | StopList | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repeat_last_n: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    typical_p: float | None = None
+    tfs_z: float | None = None
+    mirostat: int | None = None
+    mirostat_tau: float | None = None  # only read by mirostat, which must be off
+    mirostat_eta: float | None = None
+    penalize_newline: bool | None = None  # Ollama's own engine no longer reads it
+    # how the model is loaded and run, not what it samples
+    num_keep: int | None = None  # what a context shift keeps; kvserve never shifts (it refuses what does not fit)
+    num_batch: int | None = None
+    num_gpu: int | None = None
+    main_gpu: int | None = None
+    num_thread: int | None = None
+    numa: bool | None = None
+    low_vram: bool | None = None
+    f16_kv: bool | None = None
+    logits_all: bool | None = None
+    vocab_only: bool | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool | None = None
+    embedding_only: bool | None = None
+
+    @model_validator(mode="after")
+    def _unimplemented(self):
+        for name, off in OFF_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and value != off:
+                raise ValueError(f"'{name}' is not supported (only {off}, which turns it off)")
+        penalized = (self.repeat_penalty or 1.0) != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+        if penalized and self.repeat_last_n not in (None, -1):
+            raise ValueError("'repeat_last_n' is not supported: kvserve's penalties look at the whole context; "
+                             "send -1 or leave it out")
+        return self
+
+    def sampling(self, max_tokens: int | None, grammar: str | None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        on = self.repeat_last_n != 0  # Ollama's 0: an empty penalty window, so no penalties
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature if self.temperature is not None else DEFAULTS["temperature"],
+            top_k=self.top_k if self.top_k is not None else DEFAULTS["top_k"],
+            top_p=self.top_p if self.top_p is not None else DEFAULTS["top_p"],
+            min_p=self.min_p or 0.0,
+            repetition_penalty=(self.repeat_penalty or 1.0) if on else 1.0,
+            presence_penalty=(self.presence_penalty or 0.0) if on else 0.0,
+            frequency_penalty=(self.frequency_penalty or 0.0) if on else 0.0,
+            seed=self.seed if self.seed is not None and self.seed >= 0 else None,
+            stop=stop,
+            grammar=grammar,
+        )
+
+
+class _OllamaRequest(_Body):
+    model: Annotated[str, Field(min_length=1, max_length=512)]
+    stream: bool = True
+    options: OllamaOptions = OllamaOptions()
+    format: Literal["", "json"] | dict[str, Any] | None = None  # "json": any object; an object: its JSON schema
+    keep_alive: float | str | None = None  # the model stays loaded for the server's life
+    think: bool | Literal["low", "medium", "high"] | None = None
+    session_id: str | None = None
+
+    @model_validator(mode="after")
+    def _no_thinking(self):
+        if self.think not in (None, False):
+            raise ValueError("'think' is not supported: this model does not think")
+        return self
+
+
+class OllamaFunctionCall(_Body):
+    index: int | None = None
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: OllamaFunctionCall
+
+
+class OllamaMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = ""
+    images: list[str] | None = None
+    tool_calls: list[OllamaToolCall] | None = None  # an assistant's earlier calls
+    tool_name: str | None = None  # the call a tool message answers (the Hermes format does not name it)
+    thinking: str | None = None  # an earlier reply's thinking: templates drop it from the history
+
+
+class OllamaChatRequest(_OllamaRequest):
+    """`POST /api/chat` body."""
+
+    messages: Annotated[list[OllamaMessage], Field(max_length=4096)] = []
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+
+
+class OllamaGenerateRequest(_OllamaRequest):
+    """`POST /api/generate` body."""
+
+    prompt: str | None = ""
+    system: str | None = None
+    suffix: str | None = None
+    template: str | None = None
+    context: Annotated[list[int], Field(max_length=1 << 20)] | None = None  # an earlier reply's `context`: continued
+    raw: bool = False
+    images: list[str] | None = None
+
+
+class OllamaShowRequest(_Body):
+    """`POST /api/show` body (older clients send `name`)."""
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool = False
+
+
+class OllamaError(BaseModel):
+    """Every error under /api/."""
+
+    error: str
+
+
+ERRORS = {code: {"model": OllamaError, "description": text} for code, text in
+          [(400, "Invalid request"), (401, "Missing or wrong API key"), (404, "No such model"),
+           (408, "Deadline passed while queued"), (413, "Body too large"), (429, "Server full"),
+           (500, "A model step failed"), (503, "Shutting down")]}

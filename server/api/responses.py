@@ -1,0 +1,291 @@
+"""OpenAI's Responses API (`POST /v1/responses`), stateful through sessions.
+
+A stored response (store=true, the default) IS a persistent session, under the response's own id: the
+session holds the conversation's KV (prompt and output) and, in its `meta`, the response object and the
+conversation as items. So stored responses follow sessions' quotas, expiry and disk tier, and another
+key cannot see them. `previous_response_id` forks the previous response's session (a fork shares its KV
+blocks: one response continued twice gives two independent branches) and sends the whole conversation,
+re-rendered from its items, with resend: the engine keeps the common prefix of its KV, so only the new
+turn is prefilled, and the prompt is exactly the one a fresh request over the whole conversation sends.
+As OpenAI does, a previous response's `instructions` are not carried over.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fastapi import APIRouter, Query
+from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
+
+from ..engine.sequence import Finished, Sequence, TokenEvent
+from ..engine.session import Session
+from ..errors import InvalidRequest, NotFound
+from . import generation, openai, tools
+from .responses_schemas import MediaPart, NamedFunction, ResponseRequest
+from .responses_stream import ResponseEvents, call_item, message_item, new_id
+from .schemas import ERROR_RESPONSES, ChatCompletionRequest
+
+router = APIRouter(prefix="/v1/responses", tags=["responses"], responses=ERROR_RESPONSES)
+
+INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout", "cancelled": "cancelled", "unmet": "constraint_unmet"}
+
+
+def input_items(value: str | list) -> list[dict]:
+    """The request's input as stored items, the shapes OpenAI lists them in."""
+    if isinstance(value, str):
+        return [{"id": new_id("msg_"), "type": "message", "status": "completed", "role": "user",
+                 "content": [{"type": "input_text", "text": value}]}]
+    out = []
+    for item in value:
+        if item.type == "message":
+            kind = "output_text" if item.role == "assistant" else "input_text"
+            content = [{"type": kind, "text": item.content}] if isinstance(item.content, str) else item.content
+            parts = [p if isinstance(p, dict) else _part(p) for p in content]
+            out.append({"id": item.id or new_id("msg_"), "type": "message", "status": "completed", "role": item.role,
+                        "content": parts})
+        elif item.type == "function_call":
+            out.append(call_item(item.call_id, item.name, item.arguments, item_id=item.id))
+        else:
+            output = item.output if isinstance(item.output, str) else "".join(_part(p)["text"] for p in item.output)
+            out.append({"id": item.id or new_id("fco_"), "type": "function_call_output", "status": "completed",
+                        "call_id": item.call_id, "output": output})
+    return out
+
+
+def _part(part) -> dict:
+    if isinstance(part, MediaPart):
+        what = {"input_image": "image", "input_file": "file", "input_audio": "audio"}[part.type]
+        raise InvalidRequest(f"{what} inputs are not supported", param="input")
+    return {"type": part.type, "text": part.text, **({"annotations": []} if part.type == "output_text" else {})}
+
+
+def chat_request(body: ResponseRequest, conversation: list[dict]) -> ChatCompletionRequest:
+    """The chat completion the request amounts to: the conversation as messages, its tools and its format."""
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    for item in conversation:
+        if item["type"] == "message":
+            messages.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
+        elif item["type"] == "function_call":
+            call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant":  # calls join the reply's text they came with
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    fmt = body.text.format if body.text is not None and body.text.format is not None else None
+    fmt = None if fmt is None or fmt.type == "text" else fmt
+    choice = body.tool_choice
+    if fmt is not None and body.tools and choice not in (None, "auto", "none"):
+        raise InvalidRequest("a forced tool_choice and a text.format other than text cannot both constrain the output",
+                             param="text.format")
+    response_format = None if fmt is None else {"type": fmt.type}
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.schema_ is None:
+            raise InvalidRequest("text.format json_schema needs a schema", param="text.format.schema")
+        response_format["json_schema"] = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
+    functions = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                 for t in body.tools or []]
+    if isinstance(choice, NamedFunction):
+        choice = {"type": "function", "function": {"name": choice.name}}
+    try:
+        return ChatCompletionRequest(messages=messages, tools=functions or None, tool_choice=choice,
+                                     parallel_tool_calls=body.parallel_tool_calls, response_format=response_format,
+                                     temperature=body.temperature, top_p=body.top_p)
+    except ValidationError as e:
+        raise InvalidRequest(f"the conversation is not a valid chat: {e.errors()[0]['msg']}", param="input") from None
+
+
+@dataclass
+class _Run:
+    """One response from its request to its stored end."""
+
+    http: HttpRequest
+    body: ResponseRequest
+    history: list[dict]  # the conversation before this turn (the previous response's)
+    turn: list[dict]  # this turn's input items
+    names: set[str] = field(default_factory=set)  # the functions it may call (none: its text is all content)
+    forced: bool = False  # tool_choice makes it call one
+    id: str = field(default_factory=lambda: new_id("resp_"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    session: Session | None = None
+
+    def response(self, status: str, output: list[dict], f: Finished | None = None, error: str | None = None) -> dict:
+        body = self.body
+        fmt = {"type": "text"}
+        if body.text is not None and body.text.format is not None:
+            fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else body.tool_choice
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": {"code": "server_error", "message": error} if error is not None else None,
+            "incomplete_details": {"reason": INCOMPLETE.get(f.reason, f.reason)} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": self.http.app.state.config.model_name, "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "temperature": body.temperature if body.temperature is not None else 1.0,
+            "text": {"format": fmt}, "tool_choice": choice or "auto",
+            "tools": [t.model_dump() for t in body.tools or []],
+            "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
+            "usage": _usage(f) if f is not None and f.error is None else None,
+            "user": body.user, "metadata": body.metadata or {},
+        }
+
+    def end(self, f: Finished | None, output: list[dict], status: str | None = None, error: str | None = None) -> dict:
+        """The response as it ended, stored with its conversation when it is stored."""
+        status = status or ("incomplete" if f.reason in INCOMPLETE else "completed")
+        out = self.response(status, output, f, error)
+        self.store(out, output)
+        return out
+
+    def store(self, response: dict, output: list[dict]) -> None:
+        if self.session is None:
+            return
+        engine = generation.engine_of(self.http)
+        start = len(self.history)
+        meta = {"response": response, "conversation": [*self.history, *self.turn, *output],
+                "input": [start, start + len(self.turn)]}
+        with engine.lock:  # the step loop writes the session's record under it
+            self.session.meta = meta
+            engine.pool.persist(self.session)
+
+
+def _usage(f: Finished) -> dict:
+    return {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": f.cached_tokens},
+            "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": f.prompt_tokens + f.completion_tokens}
+
+
+def _stored(http: HttpRequest, response_id: str, param: str = "response_id") -> Session:
+    """A stored response's session, for this caller (another key's is missing, as sessions are)."""
+    engine = generation.engine_of(http)
+    try:
+        with engine.lock:
+            session = engine.session(response_id, generation.owner_of(http))
+    except NotFound:
+        session = None
+    if session is None or not session.meta or "response" not in session.meta:
+        raise NotFound(f"no stored response {response_id!r}: it never existed, was deleted, expired, was not "
+                       "stored (store=false), or belongs to another key", param=param)
+    return session
+
+
+def _start(run: _Run, previous: Session | None) -> Sequence:
+    http, body = run.http, run.body
+    engine = generation.engine_of(http)
+    chat = chat_request(body, [*run.history, *run.turn])
+    prompt = openai.chat_prompt(engine.tokenizer, chat)
+    forced = tools.forced_tools(chat)
+    grammar = openai.output_grammar(engine.grammars, chat, forced)
+    params = openai.openai_params(chat, body.max_output_tokens, None, engine.model.config.vocab_size, grammar)
+    run.names = {t.function.name for t in chat.tools or []} if tools.offers_tools(chat) else set()
+    run.forced = forced is not None
+    if not body.store:
+        return generation.start(http, None, prompt, params, resend=True)[0]
+    owner = generation.owner_of(http)
+    if previous is None:
+        run.session = engine.create_session(None, None, owner, session_id=run.id)
+    else:
+        run.session = engine.fork_session(previous, owner, session_id=run.id)
+    run.store(run.response("in_progress", []), [])
+    try:
+        return engine.submit(run.session, prompt, params, resend=True)
+    except Exception:
+        engine.delete_session(run.session)
+        raise
+
+
+@router.post("")
+async def create_response(body: ResponseRequest, http: HttpRequest):
+    generation.check_model(http, body.model)
+    history, previous = [], None
+    if body.previous_response_id is not None:
+        previous = _stored(http, body.previous_response_id, "previous_response_id")
+        history = previous.meta["conversation"]
+    run = _Run(http, body, history, input_items(body.input))
+    req = _start(run, previous)
+    if body.stream:
+        return StreamingResponse(_stream(run, req), media_type="text/event-stream", headers=generation.SSE_HEADERS)
+    try:
+        _, f = await generation.collect(http, req)
+    except asyncio.CancelledError:  # the client went away
+        run.end(None, [], "cancelled")
+        raise
+    except Exception as e:
+        run.end(None, [], "failed", str(e))
+        raise
+    return run.end(f, _output(f, run))
+
+
+def _output(f: Finished, run: _Run) -> list[dict]:
+    """A whole reply as output items: its text as a message, and its complete calls (one cut short is dropped)."""
+    status = "incomplete" if f.reason in INCOMPLETE else "completed"
+    content, calls = tools.parse_tool_calls(f.output, run.names, run.forced) if run.names else (f.output, [])
+    items = [message_item(content or "", status)] if content is not None or not (calls or run.forced) else []
+    return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
+    events = ResponseEvents(run.names, run.forced)
+    start = run.response("in_progress", [])
+    yield events.event("response.created", response=start)
+    yield events.event("response.in_progress", response=start)
+    ended = False
+    try:
+        async for event in generation.events(run.http, req, watch_disconnect=False):
+            if isinstance(event, TokenEvent):
+                for chunk in events.feed(event.text):
+                    yield chunk
+                continue
+            if event.error is not None:
+                ended = True
+                failed = run.end(event, events.output(), "failed", str(event.error))
+                yield events.event("response.failed", response=failed)
+                return
+            for chunk in events.feed((event.last.text if event.last is not None else "") + event.text):
+                yield chunk
+            status = "incomplete" if event.reason in INCOMPLETE else "completed"
+            for chunk in events.finish(status):
+                yield chunk
+            ended = True
+            final = run.end(event, events.output(), status)
+            yield events.event(f"response.{status}", response=final)
+    finally:
+        if not ended:  # the client went away: what was streamed stays stored
+            run.end(None, events.output(), "cancelled")
+
+
+@router.get("/{response_id}")
+async def get_response(response_id: str, http: HttpRequest) -> dict:
+    return _stored(http, response_id).meta["response"]
+
+
+@router.delete("/{response_id}")
+async def delete_response(response_id: str, http: HttpRequest) -> dict:
+    session = _stored(http, response_id)
+    generation.engine_of(http).delete_session(session)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+@router.get("/{response_id}/input_items")
+async def list_input_items(response_id: str, http: HttpRequest, order: Literal["asc", "desc"] = "desc",
+                           limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict:
+    """This response's own input items (not the conversation before it), newest first unless order=asc."""
+    meta = _stored(http, response_id).meta
+    start, end = meta["input"]
+    items = meta["conversation"][start:end]
+    items = items[::-1] if order == "desc" else items
+    if after is not None:
+        at = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if at is None:
+            raise NotFound(f"no input item {after!r} in response {response_id!r}", param="after")
+        items = items[at + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}

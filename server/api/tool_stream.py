@@ -1,4 +1,5 @@
-"""A streamed reply that may be tool calls, as OpenAI chunks: plain content passes on; each call's name
+"""A streamed reply that may be tool calls, as OpenAI chunks: plain content passes on (up to a call that
+follows it); each call's name
 goes out as soon as it is generated, with its index and id, and then its arguments as deltas while
 they are generated (the shapes of OpenAI's and vLLM's streams).
 
@@ -15,6 +16,11 @@ from .tools import OPEN_TAG, parse_tool_calls
 CLOSE_TAG = "</tool_call>"
 _HEAD = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]*)"\s*,\s*"arguments"\s*:\s*')
 _HEAD_MAX = 256  # past this much text without a recognisable head, the call is parsed at the end
+
+
+def _partial_tag(text: str) -> int:
+    """How many characters at the end of `text` could begin a `<tool_call>` tag."""
+    return next((n for n in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1) if OPEN_TAG.startswith(text[-n:])), 0)
 
 
 class ToolCallStream:
@@ -46,8 +52,12 @@ class ToolCallStream:
                     self.mode = "head"
                 else:
                     break  # it may still become a call: wait for more
-            elif self.mode == "content":
-                content, self.buf = content + self.buf, ""
+            elif self.mode == "content":  # text, until a call begins (a partial tag at the end waits)
+                at = self.buf.find(OPEN_TAG)
+                cut = at if at >= 0 else len(self.buf) - _partial_tag(self.buf)
+                content, self.buf = content + self.buf[:cut], self.buf[cut:]
+                if at >= 0:
+                    self.mode = "head"
             elif self.mode == "head":
                 self._head(deltas)
             elif self.mode == "arguments":
@@ -126,6 +136,8 @@ class ToolCallStream:
         as far as it was streamed; a forced reply's leftover is never content."""
         if self.mode == "start":
             return ("" if self.forced else self.buf), []
+        if self.mode == "content":
+            return self.buf, []
         if self.mode != "held":
             return "", []
         content, calls = parse_tool_calls(self.held, self.names, self.forced)

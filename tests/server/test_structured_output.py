@@ -266,3 +266,23 @@ def test_a_6000_token_prompt_succeeds_on_default_flags(client):
     text = " ".join(["the river runs past the old mill and the stone bridge"] * 560)
     r = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0)
     assert r.usage.prompt_tokens >= 6000 and r.choices[0].finish_reason == "length"
+
+
+def test_a_call_after_text_streams_as_a_call_not_as_content():
+    """In `auto`, the model may write a sentence before its call: the markup never streams as content."""
+    from server.api.tool_stream import ToolCallStream
+
+    stream = ToolCallStream({"get_time"}, forced=False)
+    pieces = ["Let me ", "check.\n<", "tool_", 'call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call>\n']
+    content, deltas = "", []
+    for piece in pieces:
+        text, ds = stream.feed(piece)
+        content, deltas = content + text, deltas + ds
+    text, ds = stream.finish()
+    content, deltas = content + text, deltas + ds
+    assert content == "Let me check.\n" and stream.complete == 1
+    assert deltas[0]["function"]["name"] == "get_time"
+    assert json.loads("".join(d["function"]["arguments"] for d in deltas)) == {"city": "Oslo"}
+    # a "<" that begins no tag is content, once the text shows it
+    plain = ToolCallStream({"get_time"}, forced=False)
+    assert plain.feed("a < b <")[0] == "a < b " and plain.finish()[0] == "<"

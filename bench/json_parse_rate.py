@@ -5,13 +5,15 @@
 
 Each of 20 prompts is sent greedy twice per max_tokens: with `response_format: json_object`, and with
 `json_schema` and the prompt's own schema. A reply counts when its content parses (and, for a schema,
-validates). Also counted: replies that finish `length`. Prints JSON.
+validates). Also counted: replies that finish `length`, and the output tokens a second over each set
+(with --concurrency 32 that is the cost of the constraint under load). Prints JSON.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
@@ -58,7 +60,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, sche
         "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
         "temperature": 0, "response_format": fmt})
     if r.status_code != 200:
-        return {"ok": False, "length": False, "status": r.status_code}
+        return {"ok": False, "length": False, "status": r.status_code, "tokens": 0}
     choice = r.json()["choices"][0]
     ok = True
     try:
@@ -69,10 +71,11 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: str, sche
             ok = False
     except (json.JSONDecodeError, TypeError, jsonschema.ValidationError):
         ok = False
-    return {"ok": ok, "length": choice["finish_reason"] == "length", "status": 200}
+    return {"ok": ok, "length": choice["finish_reason"] == "length", "status": 200,
+            "tokens": r.json()["usage"]["completion_tokens"]}
 
 
-async def run(url: str, model: str, limits: list[int], concurrency: int) -> dict:
+async def run(url: str, model: str, limits: list[int], kinds: list[str], concurrency: int) -> dict:
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=900) as client:
         async def gated(*a):
@@ -81,9 +84,12 @@ async def run(url: str, model: str, limits: list[int], concurrency: int) -> dict
 
         out = {}
         for limit in limits:
-            for kind in ("json_object", "json_schema"):
+            for kind in kinds:
+                start = time.perf_counter()
                 results = await asyncio.gather(*(gated(p, None if kind == "json_object" else s, limit) for p, s in PROMPTS))
+                seconds = time.perf_counter() - start
                 out[f"{kind}@{limit}"] = {
+                    "output_tok_s": round(sum(r["tokens"] for r in results) / seconds, 1),
                     "parsed": sum(r["ok"] for r in results), "of": len(results),
                     "finished_length": sum(r["length"] for r in results),
                     "http_errors": sum(r["status"] != 200 for r in results),
@@ -96,13 +102,15 @@ def main() -> None:
     add_target_args(ap)
     ap.add_argument("--max-tokens", default="60,120,400")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--kinds", default="json_object,json_schema")
     args = ap.parse_args()
     limits = [int(x) for x in args.max_tokens.split(",")]
+    kinds = args.kinds.split(",")
     if args.launch:
         with launched_server(args.model, args.serve_args.split()) as url:
-            result = asyncio.run(run(url, args.model, limits, args.concurrency))
+            result = asyncio.run(run(url, args.model, limits, kinds, args.concurrency))
     else:
-        result = asyncio.run(run(args.url, args.model, limits, args.concurrency))
+        result = asyncio.run(run(args.url, args.model, limits, kinds, args.concurrency))
     print(json.dumps({"url": "launched" if args.launch else args.url, "results": result}, indent=1))
 
 

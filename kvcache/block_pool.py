@@ -205,6 +205,8 @@ class BlockPool:
             if self.ids[block * b : (block + 1) * b] != array("q", tokens[i * b : (i + 1) * b]):
                 self._mismatch(block)
                 break
+            if self.refs[block] == 0 and self.available() <= 0:
+                break  # an unreferenced cached block is room a static cache's reservation counts on
             self.share(block)
             blocks.append(block)
         return blocks

@@ -91,6 +91,25 @@ def test_published_prefixes_are_found_evicted_lru_and_never_while_referenced():
     pool.check()
 
 
+def test_a_prefix_hit_never_takes_the_room_a_static_cache_reserved():
+    """Found by the pool's state machine: a cached block nobody holds is room a static cache's reservation
+    counts on, so a prefix hit may not take it then; the static cache still fills its whole capacity."""
+    pool, registry = BlockPool(layout(), 6, block_size=4), CacheRegistry()
+    tokens = list(range(100, 112))
+    a = registry.install("a", SessionCache(layout(), pool))
+    fill(registry, "a", torch.randn(1, 12, 32))
+    a.publish(tokens)
+    registry.uninstall("a")  # three cached blocks, three free
+    static = registry.install("s", SessionCache(layout(24, Sizing.STATIC), pool))  # reserves all six
+    assert pool.available() == 0
+    late = SessionCache(layout(), pool, "late")
+    assert late.attach_prefix(tokens) == 0  # the hit would eat the reservation: it is not taken
+    pool.check()
+    fill(registry, "s", torch.randn(1, 24, 32))  # every reserved block is there to take
+    assert static.length == 24
+    pool.check()
+
+
 def test_reference_counts_return_to_zero_after_many_aborted_steps():
     rng = random.Random(0)
     pool, registry = BlockPool(layout(64), 40, block_size=4), CacheRegistry()

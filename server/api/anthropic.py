@@ -118,8 +118,7 @@ def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: 
     if forced is not None:
         grammar = engine.grammars.check(engine.grammars.tool_calls(forced, parallel), "tool_choice")
     stop = tuple(body.stop_sequences or ())
-    if len(stop) > engine.config.max_stop_strings:
-        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop sequences are allowed", param="stop_sequences")
+    generation.check_stops(http, stop, "stop_sequences", "stop sequences")
     params = SamplingParams(
         max_tokens=body.max_tokens,
         temperature=body.temperature if body.temperature is not None else 1.0,
@@ -141,13 +140,13 @@ def _tool_use(call: dict) -> dict:
 async def messages(body: MessagesRequest, http: HttpRequest):
     chat, prompt = render(http, body)
     forced = tools.forced_tools(chat)
-    names = {t.function.name for t in chat.tools or []} if tools.offers_tools(chat) else set()
+    names = tools.offered_names(chat)
     req = _start(http, body, prompt, forced, chat.parallel_tool_calls)
     if body.stream:
         stream = MessageStream(http, req, names, forced is not None)
         return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)
     _, f = await generation.collect(http, req)
-    text, calls = tools.parse_tool_calls(f.output, names, forced is not None) if names else (f.output, [])
+    text, calls = tools.parse_tool_calls(f.output, names, forced is not None)
     content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
     reason = stop_reason(f.reason, len(calls))
     stop = matched_stop(generation.engine_of(http).tokenizer, req, f) if reason == "stop_sequence" else None

@@ -34,6 +34,13 @@ def check_model(http: HttpRequest, model: str | None) -> None:
         raise NotFound(f"the model {model!r} does not exist; this server serves {served!r}", param="model")
 
 
+def check_stops(http: HttpRequest, stop: tuple[str, ...], param: str, noun: str = "stop strings") -> None:
+    """A request may name at most --max-stop-strings stop strings (the OutputStream matches each on every piece)."""
+    limit = engine_of(http).config.max_stop_strings
+    if len(stop) > limit:
+        raise InvalidRequest(f"at most {limit} {noun} are allowed", param=param)
+
+
 def session_id_of(http: HttpRequest, body_session: str | None) -> str | None:
     return body_session or http.headers.get("x-session-id") or None
 

@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from ..engine.sequence import Finished, Sequence, TokenEvent
 from ..errors import ApiError, InvalidRequest, NotFound
-from . import generation, tools
+from . import generation, openai, tools
 from .ollama_schemas import DEFAULTS, ERRORS, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from .schemas import ChatCompletionRequest
 from .tool_stream import ToolCallStream
@@ -83,8 +83,7 @@ def _start(http: HttpRequest, body, prompt: list[int], tools_offered: bool = Fal
         room = o.num_ctx - len(prompt)
         max_tokens = room if max_tokens is None else min(room, max_tokens)
     params = o.sampling(max_tokens, _grammar(http, body, tools_offered))
-    if len(params.stop) > engine.config.max_stop_strings:
-        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="options.stop")
+    generation.check_stops(http, params.stop, "options.stop")
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params, resend=True)[0]
 
 
@@ -122,7 +121,7 @@ class _Reply:
         return out
 
     def _tool_calls(self, output: str) -> tuple[str, list[dict]]:
-        content, calls = tools.parse_tool_calls(output, self.names) if self.names else (output, [])
+        content, calls = tools.parse_tool_calls(output, self.names)
         return content or "", [{"function": {"name": c["function"]["name"],
                                              "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
 
@@ -195,9 +194,8 @@ async def chat(body: OllamaChatRequest, http: HttpRequest):
                                                               "arguments": json.dumps(c.function.arguments)}}
                        for j, c in enumerate(m.tool_calls)] if m.tool_calls else None,
     } for m in body.messages], tools=body.tools or None)
-    messages, template_tools = tools.chat_messages(as_openai, tok.template_has_tools)
-    prompt = tok.encode(tok.apply_chat_template(messages, True, template_tools), add_special=False)
-    names = {t.function.name for t in body.tools or []}
+    prompt = openai.chat_prompt(tok, as_openai)
+    names = tools.offered_names(as_openai)
     req = _start(http, body, prompt, tools_offered=bool(names))
     return await _respond(_Reply(http, req, body.model, True, names), body.stream)
 

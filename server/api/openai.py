@@ -108,8 +108,7 @@ def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, lo
     engine = generation.engine_of(http)
     grammar = output_grammar(engine.grammars, body, tool_functions)
     params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar)
-    if len(params.stop) > engine.config.max_stop_strings:
-        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="stop")
+    generation.check_stops(http, params.stop, "stop")
     return params
 
 
@@ -243,7 +242,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     forced = tools.forced_tools(body)
     reqs = _start(http, body, prompt, max_tokens, logprobs, forced)
-    names = {t.function.name for t in body.tools or []} if tools.offers_tools(body) else set()
+    names = tools.offered_names(body)
     if body.stream:
         calls = [ToolCallStream(names, forced is not None) if names else None for _ in reqs]
 
@@ -271,7 +270,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     results = await _collect_all(http, reqs)
     choices = []
     for events, f in results:
-        content, calls = tools.parse_tool_calls(f.output, names, forced is not None) if names else (f.output, [])
+        content, calls = tools.parse_tool_calls(f.output, names, forced is not None)
         message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         choices.append({"message": message, "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
                         "finish_reason": _finish_reason(f.reason, len(calls))})

@@ -184,7 +184,7 @@ def _start(run: _Run, previous: Session | None) -> Sequence:
     forced = tools.forced_tools(chat)
     grammar = openai.output_grammar(engine.grammars, chat, forced)
     params = openai.openai_params(chat, body.max_output_tokens, None, engine.model.config.vocab_size, grammar)
-    run.names = {t.function.name for t in chat.tools or []} if tools.offers_tools(chat) else set()
+    run.names = tools.offered_names(chat)
     run.forced = forced is not None
     if not body.store:
         return generation.start(http, None, prompt, params, resend=True)[0]
@@ -226,7 +226,7 @@ async def create_response(body: ResponseRequest, http: HttpRequest):
 def _output(f: Finished, run: _Run) -> list[dict]:
     """A whole reply as output items: its text as a message, and its complete calls (one cut short is dropped)."""
     status = "incomplete" if f.reason in INCOMPLETE else "completed"
-    content, calls = tools.parse_tool_calls(f.output, run.names, run.forced) if run.names else (f.output, [])
+    content, calls = tools.parse_tool_calls(f.output, run.names, run.forced)
     items = [message_item(content or "", status)] if content is not None or not (calls or run.forced) else []
     return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
 

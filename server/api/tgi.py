@@ -52,8 +52,7 @@ def tgi_params(p: GenerateParameters, grammar: str | None = None) -> SamplingPar
 
 def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
     engine = generation.engine_of(http)
-    if len(body.parameters.stop) > engine.config.max_stop_strings:
-        raise InvalidRequest(f"at most {engine.config.max_stop_strings} stop strings are allowed", param="parameters.stop")
+    generation.check_stops(http, tuple(body.parameters.stop), "parameters.stop")
     params = tgi_params(body.parameters, tgi_grammar(engine.grammars, body.parameters))
     prompt = engine.tokenizer.encode(body.inputs)
     if body.parameters.truncate is not None:

@@ -60,6 +60,11 @@ def offers_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
+def offered_names(body: ChatCompletionRequest) -> set[str]:
+    """The functions a reply may call (none where tools are not offered)."""
+    return {t.function.name for t in body.tools} if offers_tools(body) else set()
+
+
 def forced_tools(body: ChatCompletionRequest) -> list[dict] | None:
     """The functions the output must call ("required": any of them; a named choice: that one), or None."""
     if not offers_tools(body) or body.tool_choice in (None, "auto"):
@@ -78,7 +83,10 @@ def forced_tools(body: ChatCompletionRequest) -> list[dict] | None:
 
 def parse_tool_calls(text: str, names: set[str], forced: bool = False) -> tuple[str | None, list[dict]]:
     """Text -> (the content outside the calls, or None; the complete calls of known functions, OpenAI-shaped).
-    A call cut short by max_tokens is dropped, never shown as content; a forced reply has no content."""
+    A call cut short by max_tokens is dropped, never shown as content; a forced reply has no content. With no
+    function offered, the whole text is content."""
+    if not names:
+        return text, []
     calls = []
     for match in TOOL_CALL.finditer(text):
         try:

@@ -93,8 +93,7 @@ class Sequence:
     def admitted(self, cached_length: int) -> None:
         """First admission: the session holds KV for its first `cached_length` tokens."""
         self.admitted_at = time.monotonic()
-        prompt_start = len(self.prompt_ids) - self.prompt_tokens  # where this request's prompt begins in the history
-        self.cached_tokens = max(0, cached_length - prompt_start)
+        self.cached_tokens = max(0, cached_length - self.prompt_start)
 
     def past_deadline(self, now: float) -> bool:
         return self.timeout is not None and now >= self.arrival + self.timeout

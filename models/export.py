@@ -87,7 +87,7 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_constants()
     convert_linears(model, weights)
-    # f32 stays the plain-torch reference; q4/q8 already required the kernels, f16 uses them if they build
+    # f32 stays the plain-torch reference, but for its linears; q4/q8 already required the kernels, f16 uses them if they build
     if weights != "f32" and dtype == torch.float32 and model_kernels_available():
         use_native_modules(model)
     return model.eval()
@@ -197,7 +197,7 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
     if not trusted:
         trust.check(folder, meta.get("sha256", {}), (PROGRAM_FILE, WEIGHTS_FILE))
     # The program may call kvserve_native ops (q4 always does), which must exist before it is read.
-    kernels = meta.get("weights", "f32") != "f32" and model_kernels_available()
+    kernels = model_kernels_available()
     if meta.get("weights") == "q4" and not kernels:
         raise ModelLoadError(f"{folder}: a {meta['weights']} artifact needs the C++/AVX2 kernels, which are unavailable here")
     forward = _program(folder, meta)

@@ -1,6 +1,8 @@
 """Weight modes: how each nn.Linear of a built model stores its weight and which kernel multiplies it.
 
-    f32  nn.Linear as built (the reference; parity-tested against transformers)
+    f32  float32 weights, multiplied by kernels/linear_f32.cpp (kvserve_native::linear_f32), whose every
+         output sums in one order whatever the batch (nn.Linear's BLAS does not; it stays where the
+         AVX2 kernels do not build); the reference, parity-tested against transformers
     f16  float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
     q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
          multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
@@ -29,7 +31,7 @@ from .block_quant import BLOCK, BYTES_PER_BLOCK, quantize_q4, quantize_q8
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
-_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "int_gemm.cpp", "fused.cpp", "block.cpp")]
+_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "int_gemm.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp")]
 
 # A q4/q8 weight buffer X has its batched-path panels in the buffer X + PANELS. They are a function of
 # X, so an artifact stores X alone and loading makes the panels again.
@@ -96,6 +98,19 @@ class LinearF16(nn.Module):
         return torch.ops.kvserve.linear_f16(x, self.weight, self.bias)
 
 
+class LinearF32(nn.Module):
+    """Drop-in for nn.Linear whose rows' outputs do not depend on the batch (kernels/linear_f32.cpp)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.kvserve_native.linear_f32(x, self.weight)  # [..., N]
+        return out if self.bias is None else out + self.bias
+
+
 class LinearBlocks(nn.Module):
     """Drop-in for nn.Linear holding Q4_1 or Q8_0 blocks."""
 
@@ -115,14 +130,17 @@ class LinearBlocks(nn.Module):
 
 def convert_linears(model: nn.Module, weights: str) -> nn.Module:
     """Swap every nn.Linear for the weight mode's module (a tied lm_head gets its own copy)."""
-    if weights == "f32":
+    if weights == "f32" and not model_kernels_available():
         return model
-    if weights == "q4":
+    if weights in ("q4", "f32"):
         load_model_kernels()
     for name, child in list(model.named_modules()):
         if not isinstance(child, nn.Linear):
             continue
-        if weights == "f16":
+        if weights == "f32":
+            if child.weight.dtype == torch.float32:  # bfloat16 activations keep nn.Linear
+                model.set_submodule(name, LinearF32(child))
+        elif weights == "f16":
             model.set_submodule(name, LinearF16(child))
         elif child.in_features % BLOCK == 0:  # rows must be whole blocks; others stay float32
             model.set_submodule(name, LinearBlocks(child, "q8" if name.split(".")[-1] == "lm_head" else "q4"))

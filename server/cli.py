@@ -14,6 +14,7 @@ import uvicorn
 from kvcache import Sizing
 
 from .config import KV_DTYPES, EngineConfig, ServerConfig, parse_bytes
+from .engine.drafts import MODES, SpeculationConfig
 
 log = logging.getLogger("kvserve")
 
@@ -60,6 +61,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"requests one tenant may have running (default with keys or --tenant-header: 1/{SLOT_SHARE} of --max-running)")
     p.add_argument("--max-queued-per-key", type=int, default=None,
                    help=f"requests one tenant may have queued (default with keys or --tenant-header: 1/{SLOT_SHARE} of --max-queued)")
+    p.add_argument("--speculative", choices=MODES, default=SpeculationConfig().mode,
+                   help="ngram: decoding requests draft tokens from their own history, checked in one step (a request's "
+                        "`speculative` overrides it); off: one token a step")
+    p.add_argument("--num-speculative-tokens", type=int, default=SpeculationConfig().max_draft, help="draft tokens per step, at most")
     p.add_argument("--tenant-weights", default="", metavar="NAME=W,...",
                    help="shares of served tokens: NAME is an API key or a --tenant-header value; others weigh 1")
 
@@ -94,6 +99,7 @@ def _engine_config(args) -> EngineConfig:
         default_max_tokens=args.default_max_tokens,
         kv_disk=args.kv_disk,
         kv_disk_budget=args.kv_disk_budget,
+        speculation=SpeculationConfig(args.speculative, max_draft=args.num_speculative_tokens),
     )
 
 

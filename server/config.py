@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from kvcache import Sizing
 
+from .engine.drafts import SpeculationConfig
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
 
@@ -50,6 +52,7 @@ class EngineConfig:
     session_ttl: float = 3600.0  # seconds an idle session stays in RAM; then it moves to disk, or is removed
     session_disk_ttl: float = 7 * 86400.0  # seconds a moved session's disk copy stays after that
     request_timeout: float | None = None  # seconds a request may take, queued and running; None: no limit
+    speculation: SpeculationConfig = SpeculationConfig()  # n-gram drafts: the default, and their limits
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",

@@ -15,8 +15,9 @@
 // docs/performance.md), and each block's products are summed in int32 by madd, then scaled in f32. Below
 // BATCH_ROWS rows that runs here, straight off the blocks: at batch 1 reading 0.6 (Q4) or 1.06 (Q8)
 // bytes per weight instead of 4, streaming them near the read bandwidth (software prefetch), and
-// integer dot products that use few instructions per block are the levers; activation rows share
-// each weight block load. From BATCH_ROWS rows on, the same products run as a GEMM (int_gemm.cpp).
+// integer dot products that use few instructions per block are the levers. From BATCH_ROWS rows on,
+// the same products run as a GEMM (int_gemm.cpp). Both paths scale and sum a feature's blocks in one
+// order, so a row's output is bitwise the same whichever path, and whatever else shares the step.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -42,22 +43,8 @@ constexpr int64_t MAX_ROWS = 3;   // activation rows sharing one weight-block lo
 constexpr int64_t BATCH_ROWS = MAX_ROWS + 1;
 constexpr int64_t PREFETCH_SPANS = 2;  // how many row groups ahead dot_rows prefetches
 
-inline __m128 four_halves(const uint8_t* p) {
-  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-// [b0 b1 b2 b3] per-block int32 partial vectors -> one vector whose low lanes hold blocks 0..3's
-// sums over elements 0..3 of each partial and high lanes over 4..7 (summing all lanes is exact).
-// A transpose by unpacks and adds: hadd would spend 3 uops where these spend 1.
-inline __m256 four_block_sums(const __m256i p[4]) {
-  const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));  // b0 b1 b0 b1
-  const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));  // b2 b3 b2 b3
-  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b)));  // b0 b1 b2 b3
-}
-
 using kvserve_simd::hmax;
 using kvserve_simd::hsum;
-using kvserve_simd::hsum128;
 
 // Activations: each block of 32 floats becomes 32 int16 in order, with one float scale d = amax/32767
 // (and s = d * sum(q), which Q4_1's min term needs).
@@ -130,72 +117,106 @@ struct Q8Block {
   static inline __m256i dot(const W& w, const int16_t* x) { return Q4Block::dot(w, x); }
 };
 
-// out[r * ldo + c] = dot(weight row c, activation row r) for C weight rows (row_bytes apart) and R
-// activation rows: R*C independent accumulators. Four blocks at a time share one scale multiply.
-template <class B, int R, int C>
-inline void dot_rows(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
-                     int64_t K, int64_t nb, float* out, int64_t ldo) {
-  __m256 acc[R][C];
-  __m128 mins[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps(), mins[r][c] = _mm_setzero_ps();
-  const int64_t scales_at = nb * B::quant_bytes, mins_at = scales_at + 2 * nb;
-  // These C rows are one contiguous span; while reading it, prefetch the span PREFETCH_SPANS ahead,
-  // spread over the loop (the hardware prefetcher alone reached about half of the read bandwidth).
-  // Past the weight's end a prefetch is only wasted, never a fault.
-  const int64_t span = C * row_bytes, per_step = (span / std::max<int64_t>(nb / 4, 1) + 63) / 64 * 64;
-  const char* ahead = reinterpret_cast<const char*>(w) + PREFETCH_SPANS * span;
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    for (int64_t at = b / 4 * per_step; at < std::min(span, (b / 4 + 1) * per_step); at += 64)
-      _mm_prefetch(ahead + at, _MM_HINT_T0);
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* row = w + c * row_bytes;
-      const __m128 dw = four_halves(row + scales_at + 2 * b);
-      typename B::W wb[4];
-      for (int j = 0; j < 4; ++j) wb[j] = B::unpack(row + (b + j) * B::quant_bytes);
-      for (int r = 0; r < R; ++r) {
-        __m256i p[4];
-        for (int j = 0; j < 4; ++j) p[j] = B::dot(wb[j], xq + r * K + (b + j) * QK);
-        const __m128 scale = _mm_mul_ps(dw, _mm_loadu_ps(xd + r * nb + b));
-        acc[r][c] = _mm256_fmadd_ps(four_block_sums(p), _mm256_set_m128(scale, scale), acc[r][c]);
-        if (B::has_min)
-          mins[r][c] = _mm_fmadd_ps(four_halves(row + mins_at + 2 * b), _mm_loadu_ps(xs + r * nb + b), mins[r][c]);
-      }
-    }
+// Eight weight rows' int32 block partials [8 each] -> one vector whose lane c is row c's whole block sum
+// (integer adds: exact in any order), by unpacks and adds: hadd would spend 3 uops where these spend 1.
+inline __m256i eight_block_sums(const __m256i p[8]) {
+  __m256i quad[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i* q = p + 4 * h;
+    const __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(q[0], q[1]), _mm256_unpackhi_epi32(q[0], q[1]));
+    const __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(q[2], q[3]), _mm256_unpackhi_epi32(q[2], q[3]));
+    quad[h] = _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));  // rows 0..3, low | high k
   }
-  for (; b < nb; ++b) {  // the last nb % 4 blocks, one at a time
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* row = w + c * row_bytes;
-      const float dw = half_at(row + scales_at + 2 * b);
-      const typename B::W wb = B::unpack(row + b * B::quant_bytes);
-      for (int r = 0; r < R; ++r) {
-        const __m256 p = _mm256_cvtepi32_ps(B::dot(wb, xq + r * K + b * QK));
-        acc[r][c] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[r * nb + b]), acc[r][c]);
-        if (B::has_min)
-          mins[r][c] = _mm_add_ss(mins[r][c], _mm_set_ss(half_at(row + mins_at + 2 * b) * xs[r * nb + b]));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * ldo + c] = hsum(acc[r][c]) + hsum128(mins[r][c]);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(quad[0], quad[1], 0x20), _mm256_permute2x128_si256(quad[0], quad[1], 0x31));
 }
 
-using DotFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, int64_t, float*, int64_t);
+inline __m128 four_halves(const uint8_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Four consecutive fp16 values (four blocks' scales) from each of eight rows -> out[j], whose lane c is
+// row c's value j: one load a row and a 4 x 4 transpose in each half, where gathering them one by one
+// would stall on store-to-load forwarding.
+inline void eight_by_four_halves(const uint8_t* const rows[8], int64_t at, __m256 out[4]) {
+  __m256 m[4];
+  for (int c = 0; c < 4; ++c) m[c] = _mm256_set_m128(four_halves(rows[c + 4] + at), four_halves(rows[c] + at));
+  const __m256 t0 = _mm256_unpacklo_ps(m[0], m[1]), t1 = _mm256_unpackhi_ps(m[0], m[1]);  // rows 0, 1 (4, 5)
+  const __m256 t2 = _mm256_unpacklo_ps(m[2], m[3]), t3 = _mm256_unpackhi_ps(m[2], m[3]);  // rows 2, 3 (6, 7)
+  out[0] = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));
+  out[1] = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+  out[2] = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+  out[3] = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+}
+
+// Eight fp16 values, one from each of eight rows at the same offset, as floats in lanes 0..7 (the last
+// nb % 4 blocks).
+inline __m256 eight_halves(const uint8_t* const rows[8], int64_t at) {
+  uint16_t h[8];
+  for (int c = 0; c < 8; ++c) std::memcpy(&h[c], rows[c] + at, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+// out[r * ldo + c] = dot(weight row c, activation row r) for eight weight rows (row_bytes apart; the
+// first `width` are stored) and R activation rows, one output feature a lane. Block after block:
+// acc = float(block sum) * (d_w * d_x), then += m_w * s_x: the operations, in the order, of
+// int_gemm.cpp's tile, so a row's result is bitwise the same on either path, whatever shares its step.
+template <class B, int R>
+inline void dot_rows(const uint8_t* w, int64_t row_bytes, const int16_t* xq, const float* xd, const float* xs,
+                     int64_t K, int64_t nb, float* out, int64_t ldo, int64_t width) {
+  const uint8_t* rows[8];
+  for (int c = 0; c < 8; ++c) rows[c] = w + std::min<int64_t>(c, width - 1) * row_bytes;  // past the end: repeat the last
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t scales_at = nb * B::quant_bytes, mins_at = scales_at + 2 * nb;
+  // While reading these rows, prefetch the group PREFETCH_SPANS ahead, spread over the blocks (the
+  // hardware prefetcher alone reached about half of the read bandwidth). Past the weight's end a
+  // prefetch is only wasted, never a fault.
+  const int64_t span = 8 * row_bytes, per_block = (span / std::max<int64_t>(nb, 1) + 63) / 64 * 64;
+  const char* ahead = reinterpret_cast<const char*>(w) + PREFETCH_SPANS * span;
+  __m256 dws[4], mws[4];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t at = b * per_block; at < std::min(span, (b + 1) * per_block); at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
+    const int64_t j = b % 4;
+    if (j == 0 && b + 4 <= nb) {
+      eight_by_four_halves(rows, scales_at + 2 * b, dws);
+      if (B::has_min) eight_by_four_halves(rows, mins_at + 2 * b, mws);
+    } else if (b + 4 > nb && j == 0) {
+      for (int64_t t = 0; t < nb - b; ++t) {
+        dws[t] = eight_halves(rows, scales_at + 2 * (b + t));
+        mws[t] = B::has_min ? eight_halves(rows, mins_at + 2 * (b + t)) : _mm256_setzero_ps();
+      }
+    }
+    const __m256 dw = dws[j];
+    const __m256 mw = B::has_min ? mws[j] : _mm256_setzero_ps();
+    typename B::W wb[8];  // each weight block unpacked once, for every activation row
+    for (int c = 0; c < 8; ++c) wb[c] = B::unpack(rows[c] + b * B::quant_bytes);
+    for (int r = 0; r < R; ++r) {
+      __m256i p[8];
+      for (int c = 0; c < 8; ++c) p[c] = B::dot(wb[c], xq + r * K + b * QK);
+      const __m256 sum = _mm256_cvtepi32_ps(eight_block_sums(p));
+      acc[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(dw, _mm256_set1_ps(xd[r * nb + b])), acc[r]);
+      if (B::has_min) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xs[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc[r]);
+    std::memcpy(out + r * ldo, lanes, width * sizeof(float));
+  }
+}
+
+using DotFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, int64_t, float*,
+                       int64_t, int64_t);
 
 struct Format {
   Blocks blocks;
   int64_t block_bytes;
-  DotFn wide[MAX_ROWS];  // R = 1..3 activation rows, over WIDE[R - 1] weight rows at once
-  DotFn narrow[MAX_ROWS];  // R = 1..3 activation rows, one weight row
+  DotFn dot[MAX_ROWS];  // R = 1..3 activation rows, eight weight rows at once
 };
-constexpr int64_t WIDE[MAX_ROWS] = {4, 2, 1};
 
 template <class B>
 constexpr Format format(Blocks blocks, int64_t block_bytes) {
-  return {blocks, block_bytes,
-          {dot_rows<B, 1, 4>, dot_rows<B, 2, 2>, dot_rows<B, 3, 1>},
-          {dot_rows<B, 1, 1>, dot_rows<B, 2, 1>, dot_rows<B, 3, 1>}};
+  return {blocks, block_bytes, {dot_rows<B, 1>, dot_rows<B, 2>, dot_rows<B, 3>}};
 }
 
 const Format Q4 = format<Q4Block>(Blocks::Q4_1, Q4_BYTES);
@@ -209,11 +230,11 @@ void small_batch(const at::Tensor& x, const uint8_t* wp, int64_t N, const Format
   const int16_t* qp = xq.q;
   const float *dp = xq.d, *sp = xq.s;
   TORCH_INTERNAL_ASSERT(M >= 1 && M <= MAX_ROWS, "small_batch takes 1..", MAX_ROWS, " rows, got ", M);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    const int64_t wide = WIDE[M - 1];
-    int64_t n = begin;
-    for (; n + wide <= end; n += wide) f.wide[M - 1](wp + n * row_bytes, row_bytes, qp, dp, sp, K, nb, op + n, N);
-    for (; n < end; ++n) f.narrow[M - 1](wp + n * row_bytes, row_bytes, qp, dp, sp, K, nb, op + n, N);
+  at::parallel_for(0, (N + 7) / 8, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n = 8 * g;
+      f.dot[M - 1](wp + n * row_bytes, row_bytes, qp, dp, sp, K, nb, op + n, N, std::min<int64_t>(8, N - n));
+    }
   });
 }
 

@@ -128,7 +128,7 @@ def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: 
         grammar=grammar,
     )
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params,
-                            resend=True, scheduling=Scheduling(body.priority, body.timeout))[0]
+                            resend=True, scheduling=Scheduling(body.priority, body.timeout, body.speculative))[0]
 
 
 def _tool_use(call: dict) -> dict:

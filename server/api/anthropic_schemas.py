@@ -106,6 +106,7 @@ class MessagesRequest(CountTokensRequest):
     session_id: str | None = None
     priority: Priority = 0
     timeout: Timeout | None = None
+    speculative: bool | None = None
 
 
 class ErrorDetail(BaseModel):

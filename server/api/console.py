@@ -86,5 +86,6 @@ def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
         "disk": engine.pool.tier.info() if engine.pool.tier is not None else None,
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting)},
         "steps": engine.recent.summary(),
+        "speculation": {"mode": c.speculation.mode, **engine.metrics.speculation()},
         "tenants": sorted(figures.values(), key=lambda f: f["tenant"]),
     }

@@ -105,6 +105,7 @@ class GenerateParameters(_Body):
     grammar: TGIGrammar | None = None
     priority: Priority = 0
     timeout: Timeout | None = None
+    speculative: bool | None = None  # draft tokens from its own history (None: the server's --speculative)
 
     @model_validator(mode="after")
     def _unimplemented(self):
@@ -194,6 +195,7 @@ class _OpenAISampling(_Body):
     session_id: str | None = None
     priority: Priority = 0
     timeout: Timeout | None = None
+    speculative: bool | None = None  # draft tokens from its own history (None: the server's --speculative)
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions: the output matches a JSON schema, a regex, a Lark or GBNF grammar, or one of some strings

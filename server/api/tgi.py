@@ -63,7 +63,7 @@ def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
         prompt,
         params,
         resend=False,
-        scheduling=Scheduling(body.parameters.priority, body.parameters.timeout),
+        scheduling=Scheduling(body.parameters.priority, body.parameters.timeout, body.parameters.speculative),
     )[0]
 
 

@@ -23,6 +23,18 @@ class Chunk:
     # logprob with the row's top `scored_top`. Empty for every other chunk, which adds no logit rows.
     scored: tuple[int, ...] = ()
     scored_top: int = 0
+    # Speculation: the last `drafts` tokens are proposed, not yet the session's; a sampling chunk then
+    # samples every row from its last history token on (1 + drafts rows), and its results say which stand.
+    drafts: int = 0
+
+    @property
+    def draft_tokens(self) -> tuple[int, ...]:
+        return self.tokens[len(self.tokens) - self.drafts :]
+
+    @property
+    def sampled_rows(self) -> int:
+        """Rows of this chunk the sampler gets: 0, 1, or 1 + drafts."""
+        return 1 + self.drafts if self.sample else 0
 
 
 @dataclass(frozen=True)
@@ -30,7 +42,7 @@ class StepBatch:
     """Everything one forward runs, in the order of the flat token axis."""
 
     chunks: tuple[Chunk, ...] = ()
-    rows: tuple[SampleRow, ...] = ()  # what the sampler needs, one per chunk that samples, in order
+    rows: tuple[SampleRow, ...] = ()  # what the sampler needs, one per sampled row (Chunk.sampled_rows), in order
 
     @property
     def n_tokens(self) -> int:

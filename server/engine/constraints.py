@@ -155,6 +155,7 @@ class Constraint:
         self._reach = 0
         self._left = 0  # the tokens left at the last mask
         self.failed = False  # the grammar allowed no token at all: the reply cannot meet it
+        self.dead_after: int | None = None  # this step's first draft row whose grammar allowed nothing
 
     def allowed(self, left: int) -> np.ndarray:
         """bool [vocab]: the tokens that keep the output within the grammar (EOS once it is complete), with
@@ -170,6 +171,32 @@ class Constraint:
             self._looked_at = left
             self._reach = max(self._reach, len(self.ending_tokens or ()))
         return mask
+
+    def draftable(self, drafts: list[int], left: int) -> int:
+        """How many of `drafts` to check from here: those the grammar takes, and only while the end is far
+        enough that no row after them would need settle(), which sees one token a step."""
+        room = left - self._reach - WINDOW - 1
+        return self.matcher.validate_tokens(drafts[:room]) if room > 0 else 0
+
+    def allowed_after(self, ahead: tuple[int, ...]) -> np.ndarray:
+        """bool [vocab]: what the grammar allows after the drafts `ahead` (which it takes), the state left as
+        it was. If nothing, only EOS, and `dead_after` says so: that row's token must not be taken."""
+        assert self.matcher.consume_tokens(list(ahead)), "drafts are checked against the grammar when made"
+        try:
+            mask = self.ending.allowed(self.matcher)
+        finally:
+            self.matcher.rollback(len(ahead))
+        if not mask.any():
+            self.dead_after = min(self.dead_after or len(ahead), len(ahead))
+            mask[sorted(self.ending.vocab.eos)] = True
+        return mask
+
+    def kept_drafts(self, kept: int, left: int) -> int:
+        """Of `kept` drafts that matched their rows, how many may stand: no row past one whose mask was empty,
+        and none the end had come near meanwhile (this step's first mask may have found a longer ending)."""
+        if self.dead_after is not None:
+            kept, self.dead_after = min(kept, self.dead_after - 1), None
+        return max(0, min(kept, left - self._reach - WINDOW - 1))
 
     def settle(self, token: int, left: int, ranked: Callable[[], list[int]]) -> int:
         """The token to take: the sampled `token`, unless the reply could then no longer end within the

@@ -28,6 +28,7 @@ from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .drafts import Drafter
 from .sequence import Scheduling, Sequence
 from .session import Session, SessionStore, Turn, owner_id
 from .session_ops import SessionOps
@@ -129,8 +130,11 @@ class Engine(SessionOps):
         params = self._check(session, turn, params)
         self.scheduler.check_room(session.owner)  # a 429 must come before anything about the session changes
         timeout = min((t for t in (scheduling.timeout, self.config.request_timeout) if t is not None), default=None)
+        spec = self.config.speculation
+        drafts = scheduling.speculative if scheduling.speculative is not None else spec.mode != "off"
         req = Sequence(session, params, prompt_tokens=turn.prompt_tokens, history_before=list(session.tokens),
-                       kept=turn.kept, sink=self._post, constraint=constraint, priority=scheduling.priority, timeout=timeout)
+                       kept=turn.kept, sink=self._post, constraint=constraint, priority=scheduling.priority, timeout=timeout,
+                       drafter=Drafter(spec) if drafts else None)
         session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
         if req.scores_prompt:  # it runs its whole prompt itself: the kept history's KV holds no logits
@@ -234,9 +238,9 @@ class Engine(SessionOps):
             return
         with self.lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
-            self.metrics.generation_tokens.inc(len(sampled))
-            self.recent.record(len(batch.chunks), batch.n_tokens, len(sampled))
+            before = self.scheduler.counts.emitted
             self.scheduler.postprocess(batch, sampled, scores)
+            self.recent.record(len(batch.chunks), batch.n_tokens, self.scheduler.counts.emitted - before)
             self._observe_finished()
 
     def _post(self, queue: asyncio.Queue, event: object) -> None:
@@ -255,7 +259,7 @@ class Engine(SessionOps):
 
     def _observe_finished(self) -> None:
         s = self.scheduler
-        self.metrics.observe(s.take_retired(), s.take_preemptions(), s.take_evictions(), *s.take_prefix_counts())
+        self.metrics.observe(s.take_retired(), s.take_counts())
         self.metrics.pool_mismatches(self.pool.blocks.mismatches)
         if self.pool.tier is not None:
             self.metrics.disk(self.pool.tier)

@@ -3,12 +3,36 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _IO = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
 _SESSIONS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+@dataclass
+class StepCounts:
+    """What steps did, counted by the scheduler until the metrics take them."""
+
+    preemptions: int = 0
+    evictions: int = 0
+    prefix_queries: int = 0  # prompt tokens admitted
+    prefix_hits: int = 0  # of those, found in the KV
+    drafts: int = 0  # drafted steps of a request (vLLM's spec_decode_num_drafts)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted: int = 0  # tokens the steps gave their requests
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted drafts by their position in the draft
+
+    def drafted(self, drafts: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafts
+        self.accepted_tokens += accepted
+        self.accepted_per_pos += [0] * (accepted - len(self.accepted_per_pos))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
 
 
 class Metrics:
@@ -55,6 +79,14 @@ class Metrics:
         self.disk_read = hist("kvserve:kv_disk_read_seconds", "Time to read back one request's blocks from disk", _IO)
         self.disk_write = hist("kvserve:kv_disk_write_seconds", "Time to write one KV block behind", _IO)
         self.prefix_totals = [0, 0]  # queries, hits: the console's hit rate, without reading counters back
+        # speculation, as vLLM's spec_decode_* counters
+        self.spec_drafts = counter("kvserve:spec_decode_num_drafts", "Decode steps of a request that checked drafted tokens")
+        self.spec_draft_tokens = counter("kvserve:spec_decode_num_draft_tokens", "Draft tokens checked")
+        self.spec_accepted = counter("kvserve:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_emitted = counter("kvserve:spec_decode_num_emitted_tokens", "Tokens emitted by drafted steps: the drafts accepted and the token after them")
+        self._spec_per_pos = Counter("kvserve:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their position in the draft",
+                                     ["model_name", "position"], registry=r)
+        self.spec_totals = [0, 0]  # draft tokens, accepted: the status page's rate
         self._finished = Counter("kvserve:request_success", "Finished requests", ["model_name", "finished_reason"], registry=r)
         # per tenant: labelled by a short hash of its key, the tenants past the first few as "other"
         by_tenant = ["model_name", "tenant"]
@@ -69,7 +101,7 @@ class Metrics:
             "rejected": Counter("kvserve:tenant_requests_rejected", "A tenant's requests and sessions refused with 429", by_tenant, registry=r),
         }
 
-    def observe(self, retired, preemptions: int, evictions: int, prefix_queries: int, prefix_hits: int) -> None:
+    def observe(self, retired, counts: StepCounts) -> None:
         """What the steps since the last call finished and counted."""
         now = time.monotonic()
         for req in retired:
@@ -82,13 +114,29 @@ class Metrics:
                 self.ttft.observe(req.first_token_at - req.arrival)
                 if f.completion_tokens > 1:
                     self.tpot.observe((req.last_token_at - req.first_token_at) / (f.completion_tokens - 1))
-        self.preemptions.inc(preemptions)
-        self.evictions.inc(evictions)
-        self.prefix_queries.inc(prefix_queries)
-        self.prefix_hits.inc(prefix_hits)
-        self.prefix_totals[0] += prefix_queries
-        self.prefix_totals[1] += prefix_hits
-        self.prompt_tokens.inc(prefix_queries - prefix_hits)
+        c = counts
+        self.preemptions.inc(c.preemptions)
+        self.evictions.inc(c.evictions)
+        self.prefix_queries.inc(c.prefix_queries)
+        self.prefix_hits.inc(c.prefix_hits)
+        self.prefix_totals[0] += c.prefix_queries
+        self.prefix_totals[1] += c.prefix_hits
+        self.prompt_tokens.inc(c.prefix_queries - c.prefix_hits)
+        self.generation_tokens.inc(c.emitted)
+        self.spec_drafts.inc(c.drafts)
+        self.spec_draft_tokens.inc(c.draft_tokens)
+        self.spec_accepted.inc(c.accepted_tokens)
+        self.spec_emitted.inc(c.accepted_tokens + c.drafts)  # each drafted step emits its kept drafts and one more
+        for pos, n in enumerate(c.accepted_per_pos):
+            self._spec_per_pos.labels(self.model_name, str(pos)).inc(n)
+        self.spec_totals[0] += c.draft_tokens
+        self.spec_totals[1] += c.accepted_tokens
+
+    def speculation(self) -> dict:
+        """Drafted and accepted tokens so far, and the share accepted (None before any draft)."""
+        drafted, accepted = self.spec_totals
+        return {"draft_tokens": drafted, "accepted_tokens": accepted,
+                "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
 
     def _advance(self, name: str, counter, total: int) -> None:
         """Move a counter up to a running total kept elsewhere (the pool's, the disk tier's)."""

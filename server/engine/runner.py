@@ -44,17 +44,17 @@ class ModelRunner:
 
     def run(self, batch: StepBatch) -> tuple[list[Sampled], list[list[Sampled]]]:
         """set_active (validate, reserve) -> forward -> commit, or abort if it raised; sample the rows of
-        the chunks that ask for it -> (one Sampled per sampling chunk, the scored rows of each scored chunk),
+        the chunks that ask for it -> (one Sampled per sampled row, the scored rows of each scored chunk),
         each in chunk order."""
-        masks = [self._masks.submit(r.constraint.allowed, r.left) if r.constraint is not None else None for r in batch.rows]
+        masks = [None if r.constraint is None else self._masks.submit(r.constraint.allowed_after, r.ahead) if r.ahead
+                 else self._masks.submit(r.constraint.allowed, r.left) for r in batch.rows]
         tokens = [t for c in batch.chunks for t in c.tokens]
         positions = [c.start + i for c in batch.chunks for i in range(len(c.tokens))]
         ends, scored, at = [], [], 0
         for c in batch.chunks:
             scored += range(at, at + len(c.scored))  # a scored chunk's rows each predict a prompt token
             at += len(c.tokens)
-            if c.sample:
-                ends.append(at - 1)  # the last row of a chunk predicts the token after it
+            ends += range(at - c.sampled_rows, at)  # the last row predicts the token after it; so do drafts' rows
         step = self.registry.set_active([(c.cache, len(c.tokens)) for c in batch.chunks])
         try:
             with torch.inference_mode():

@@ -42,6 +42,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def filters(self) -> bool:
+        """Whether top-k, top-p or min-p narrow what it samples from."""
+        return self.top_k != 0 or self.top_p < 1.0 or self.min_p != 0.0
+
+    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
@@ -55,6 +60,7 @@ class SampleRow:
     prompt_ids: list[int] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # the grammar the row's output must match
+    ahead: tuple[int, ...] = ()  # drafts this row follows, not yet in the constraint's state (drafts.py)
 
     @property
     def left(self) -> int:
@@ -117,7 +123,7 @@ def _candidates(scaled: torch.Tensor, rows: list[SampleRow]) -> tuple[torch.Tens
     remains for top-p mass spread beyond them.
     """
     params = [r.params for r in rows]
-    if all(p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0 for p in params):
+    if not any(p.filters for p in params):
         return scaled.softmax(-1), None
     m, vocab = scaled.shape
     log_total = scaled.logsumexp(-1, keepdim=True)  # [m, 1]
@@ -163,6 +169,15 @@ def _constrain(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.nda
     return logits
 
 
+def _draw(logits: torch.Tensor, rows: list[SampleRow], u: torch.Tensor) -> torch.Tensor:
+    """logits [m, V] of rows that all filter or none does, u [m] their uniform draws -> the tokens [m]."""
+    scaled = logits / torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)  # [m, V]
+    probs, order = _candidates(scaled, rows)  # [m, C] each (order None: the whole vocabulary, unsorted)
+    cdf = probs.cumsum(-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=probs.shape[1] - 1)  # [m, 1]
+    return (pick if order is None else order.gather(1, pick)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray | None] | None = None) -> list[Sampled]:
     """logits [m, V] float32, one row per request that samples -> one token each. allowed[i], if given, is
     row i's grammar mask: bool [V], the tokens its constraint allows next."""
@@ -176,18 +191,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray
     # (docs/performance.md); both return the first of equal maxima.
     tokens = torch.from_numpy(logits.detach().numpy().argmax(-1))  # [m]
     if not all(r.params.greedy for r in rows):
-        greedy = torch.tensor([r.params.greedy for r in rows])
-        temps = torch.tensor([r.params.temperature if not r.params.greedy else 1.0 for r in rows]).unsqueeze(1)
-        scaled = logits / temps  # [m, V]
-        probs, order = _candidates(scaled, rows)  # [m, C] each (order None: the whole vocabulary, unsorted)
         u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [m], one draw per row
-        cdf = probs.cumsum(-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1)).clamp_(max=probs.shape[1] - 1)  # [m, 1]
-        drawn = (pick if order is None else order.gather(1, pick)).squeeze(1)
-        tokens = torch.where(greedy, tokens, drawn)
+        # plain rows and filtering rows (top-k/p, min-p) are drawn apart, so that a row's token never depends
+        # on what the other rows of its step ask for
+        plain = [not r.params.greedy and not r.params.filters for r in rows]
+        for group in ([i for i, p in enumerate(plain) if p], [i for i, (r, p) in enumerate(zip(rows, plain)) if not p and not r.params.greedy]):
+            if group:
+                which = torch.tensor(group)
+                tokens[which] = _draw(logits[which], [rows[i] for i in group], u[which])
     out = tokens.tolist()
     for i, r in enumerate(rows):
-        if r.constraint is not None:  # near its end, a constrained reply takes only tokens it can still close after
+        if r.constraint is not None and not r.ahead:  # near its end, a reply takes only tokens it can close after (no draft comes near it)
             out[i] = r.constraint.settle(out[i], r.left, lambda i=i: logits[i].topk(RANKED).indices.tolist())
     if all(r.params.logprobs is None for r in rows):
         return [Sampled(t) for t in out]

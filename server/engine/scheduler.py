@@ -1,7 +1,8 @@
 """Continuous batching: which requests run in the next step, within token, session and KV budgets.
 
-Each step first gives every running decode its one token, so streams keep pace however many prompts
-wait; the rest of the token budget goes to prefill chunks, of running requests (oldest first) and then
+Each step first gives every running decode its one token (and, in the rows a step has spare below
+max_rows, its drafts: drafts.py), so streams keep pace however many prompts wait; the rest of the token
+budget goes to prefill chunks, of running requests (oldest first) and then
 of waiting ones as they are admitted. Waiting requests are admitted fairly between tenants: the one
 whose tenant has been served the fewest (weighted) tokens goes first, by priority and then arrival
 within a tenant (server/engine/tenants.py), up to each tenant's share of the running slots. An
@@ -24,6 +25,7 @@ from ..config import EngineConfig
 from ..errors import Overloaded, StepFailed, TimedOut
 from .batch import Chunk, StepBatch
 from .kv_pool import KVPool
+from .metrics import StepCounts
 from .sampling import Sampled
 from .sequence import Sequence
 from .session import Session, SessionStore
@@ -38,9 +40,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.by_id: dict[str, Sequence] = {}
-        self.preemptions = 0
-        self.evictions = 0
-        self.prefix_queries = self.prefix_hits = 0  # prompt tokens admitted, and of those found in the KV
+        self.counts = StepCounts()  # what the steps did since the metrics last took them
         self._retired: list[Sequence] = []
         self._in_flight: set[str] = set()  # the requests of the step being run, between schedule and postprocess
         self.tenants = Tenants(config.tenant_weights)
@@ -82,18 +82,21 @@ class Scheduler:
         chunks: list[Chunk] = []
         decodes = [r for r in self.running if len(r.session.pending) == 1]
         prefills = [r for r in self.running if len(r.session.pending) > 1]
+        spare = max(0, self.config.speculation.max_rows - len(decodes))  # rows drafts may add: few while few decode
         for req in decodes + prefills:
             if tokens_left == 0:
                 break
             if req not in self.running:  # preempted while planning an older request
                 continue
             n = min(len(req.session.pending), tokens_left)
-            need = req.session.cache.pool_demand(n)
+            drafts = req.draft(min(spare, tokens_left - n)) if len(req.session.pending) == 1 and spare else ()
+            need = req.session.cache.pool_demand(n + len(drafts))
             fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
             if fits:
-                chunks.append(self._chunk(req, n))
+                chunks.append(self._chunk(req, n, drafts))
                 self.tenants.charge(req.session.owner, n)
-                tokens_left -= n
+                tokens_left -= n + len(drafts)
+                spare -= len(drafts)
         while tokens_left > 0 and len(self.running) < self.config.max_running:
             req = self._next_fair()
             if req is None:
@@ -105,7 +108,7 @@ class Scheduler:
             chunks.append(self._chunk(req, n))
             self.tenants.charge(req.session.owner, n)
             tokens_left -= n
-        rows = tuple(self.by_id[c.request_id].sample_row() for c in chunks if c.sample)
+        rows = tuple(r for c in chunks if c.sample for r in self.by_id[c.request_id].sample_rows(c.draft_tokens))
         self._in_flight = {c.request_id for c in chunks}
         return StepBatch(tuple(chunks), rows)
 
@@ -156,15 +159,15 @@ class Scheduler:
         self.running.append(req)
         if req.admitted_at is None:
             req.admitted(session.cached_length)
-            self.prefix_queries += req.prompt_tokens
-            self.prefix_hits += req.cached_tokens
+            self.counts.prefix_queries += req.prompt_tokens
+            self.counts.prefix_hits += req.cached_tokens
         return n, planned
 
-    def _chunk(self, req: Sequence, n: int) -> Chunk:
+    def _chunk(self, req: Sequence, n: int, drafts: tuple[int, ...] = ()) -> Chunk:
         s = req.session
         pending = s.pending
-        return Chunk(req.id, s.id, s.cache, tuple(pending[:n]), s.cached_length, sample=n == len(pending) and req.wants_tokens,
-                     scored=req.prompt_targets(s.cached_length, n), scored_top=req.params.prompt_logprobs or 0)
+        return Chunk(req.id, s.id, s.cache, (*pending[:n], *drafts), s.cached_length, sample=n == len(pending) and req.wants_tokens,
+                     scored=req.prompt_targets(s.cached_length, n), scored_top=req.params.prompt_logprobs or 0, drafts=len(drafts))
 
     def evict_idle(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
         """Drop idle sessions' KV, least recently used first, until `need` more blocks are free -> whether they are."""
@@ -173,7 +176,7 @@ class Scheduler:
             if not idle:
                 return False
             self.pool.drop(idle[0])
-            self.evictions += 1
+            self.counts.evictions += 1
         return True
 
     def _make_room(self, req: Sequence, need: int, planned: int, protect: set[str], preempt: bool = True):
@@ -190,7 +193,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.drop(req.session)
         self.waiting.appendleft(req)
-        self.preemptions += 1
+        self.counts.preemptions += 1
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -241,22 +244,27 @@ class Scheduler:
         it, scored = iter(sampled), iter(scores)
         for chunk in batch.chunks:
             req = self.by_id.get(chunk.request_id)
-            token = next(it) if chunk.sample else None
+            tokens = [next(it) for _ in range(chunk.sampled_rows)]
             rows = next(scored) if chunk.scored else None
             if req is None:
                 continue
-            assert req.session.cached_length == chunk.start + len(chunk.tokens)
+            session = req.session
+            assert session.cached_length == chunk.start + len(chunk.tokens)
             if rows is not None:
                 req.scored(chunk.start, rows)  # before its first event, which tells the API they are there
-            req.session.cache.publish(req.session.tokens, durable=req.session.persistent)  # full blocks become reusable prefixes
+            if chunk.drafts:
+                tokens = req.check_drafts(chunk.draft_tokens, tokens)
+                self.counts.drafted(chunk.drafts, len(tokens) - 1)
             if req.stop_at is not None:
                 req.end_at(req.stop_at)
             elif req.cancelled:
                 req.finish("cancelled")
-            elif token is not None:
-                req.accept(token, self.eos_ids)
-            elif not req.wants_tokens and not req.session.pending:
+            elif tokens:
+                self.counts.emitted += req.accept_all(tokens, self.eos_ids)
+            elif not req.wants_tokens and not session.pending:
                 req.finish("length")  # a prefill-only request (max_tokens 0) is done
+            session.truncate_cache(len(session.tokens))  # kept drafts past where the request ended
+            session.cache.publish(session.tokens, durable=session.persistent)  # full blocks become reusable prefixes
             if req.finished is not None:
                 self.retire(req)
 
@@ -277,27 +285,16 @@ class Scheduler:
         done, self._retired = self._retired, []
         return done
 
-    def take_preemptions(self) -> int:
-        n, self.preemptions = self.preemptions, 0
-        return n
-
-    def take_evictions(self) -> int:
-        n, self.evictions = self.evictions, 0
-        return n
-
-    def take_prefix_counts(self) -> tuple[int, int]:
-        """Prompt tokens admitted and, of those, reused from the KV, since the last call."""
-        counts = self.prefix_queries, self.prefix_hits
-        self.prefix_queries = self.prefix_hits = 0
+    def take_counts(self) -> StepCounts:
+        """What the steps counted since the last call (for metrics)."""
+        counts, self.counts = self.counts, StepCounts()
         return counts
 
 
 def _fetched(req: Sequence) -> dict | None:
     """The blocks read back from disk for the request, once (a failed read means recompute)."""
     fetch, req.fetch = req.fetch, None
-    if fetch is None or fetch.exception() is not None:
-        return None
-    return fetch.result()
+    return None if fetch is None or fetch.exception() is not None else fetch.result()
 
 
 def _prefilled(parent: Sequence) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .constraints import Constraint
+from .drafts import Drafter, accepted_prefix
 from .sampling import Sampled, SampleRow, SamplingParams
 from .session import Session
 
@@ -23,6 +24,7 @@ class Scheduling:
 
     priority: int = 0  # lower goes first (as vLLM's `priority`)
     timeout: float | None = None  # seconds; None: only --request-timeout, if set
+    speculative: bool | None = None  # whether it drafts tokens (server/engine/drafts.py); None: --speculative
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Sequence:
     stop_at: int | None = None  # a stop string found while a step ran it: end after this many tokens, once it ends
     fetch: Future | None = None  # its history's blocks being read back from disk: it waits in the queue meanwhile
     priority: int = 0  # within its tenant, lower goes first (as vLLM's `priority`)
+    drafter: Drafter | None = None  # its n-gram drafts, if it speculates (server/engine/drafts.py)
     timeout: float | None = None  # seconds from arrival to its deadline; None: none
     arrival: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None
@@ -89,6 +92,7 @@ class Sequence:
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)
+        self._drawn_from: torch.Tensor | None = None  # its generator's state before a drafted step's draws
 
     def admitted(self, cached_length: int) -> None:
         """First admission: the session holds KV for its first `cached_length` tokens."""
@@ -135,8 +139,40 @@ class Sequence:
             return None
         return [None, *(owner.scores[p] for p in range(owner.prompt_start + 1, len(owner.prompt_ids)))]
 
-    def sample_row(self) -> SampleRow:
-        return SampleRow(self.params, self.generator, self.prompt_ids, self.output_ids, self.constraint)
+    def draft(self, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens to check after its pending one in this step: as many as its reply and its
+        session still have room for, and its grammar takes."""
+        if self.drafter is None:
+            return ()
+        left = self.params.max_tokens - len(self.output_ids)
+        drafts = self.drafter.propose(self.session.tokens, min(limit, left - 1, self.session.capacity - len(self.session.tokens)))
+        if self.constraint is not None and drafts:
+            drafts = drafts[: self.constraint.draftable(drafts, left)]
+        return tuple(drafts)
+
+    def sample_rows(self, drafts: tuple[int, ...] = ()) -> list[SampleRow]:
+        """What the sampler needs for its step's rows: one, or one after each of its drafts too, each row's
+        reply taken as if the drafts before it stood."""
+        if drafts and not self.params.greedy:
+            self._drawn_from = self.generator.get_state()
+        return [SampleRow(self.params, self.generator, self.prompt_ids, [*self.output_ids, *drafts[:j]] if j else self.output_ids,
+                          self.constraint, drafts[:j]) for j in range(len(drafts) + 1)]
+
+    def check_drafts(self, drafts: tuple[int, ...], sampled: list[Sampled]) -> list[Sampled]:
+        """A drafted step's verdict -> the tokens it emits: the drafts that equal what their rows sampled, then
+        the next row's token. The KV of the drafts rejected goes; the generator is left as if each emitted
+        token had taken its step alone."""
+        kept = accepted_prefix(drafts, [s.token for s in sampled])
+        self.drafter.record(len(drafts), kept)
+        if self.constraint is not None:
+            kept = self.constraint.kept_drafts(kept, self.params.max_tokens - len(self.output_ids))
+        self.session.truncate_cache(len(self.session.tokens) + kept)  # the pending token's KV, then the kept drafts'
+        if self._drawn_from is not None:
+            self.generator.set_state(self._drawn_from)
+            for _ in range(kept + 1):
+                torch.rand(1, generator=self.generator)
+            self._drawn_from = None
+        return sampled[: kept + 1]
 
     @property
     def wants_tokens(self) -> bool:
@@ -165,6 +201,14 @@ class Sequence:
             self.finish("length", last=event)
         else:
             self._emit(event)
+
+    def accept_all(self, tokens: list[Sampled], eos_ids: frozenset[int]) -> int:
+        """Accept a step's tokens in order until one ends the request -> how many it took."""
+        for n, s in enumerate(tokens, 1):
+            self.accept(s, eos_ids)
+            if self.finished is not None:
+                return n
+        return len(tokens)
 
     def finish(self, reason: str, error: Exception | None = None, last: TokenEvent | None = None) -> None:
         if self.finished is not None:

@@ -85,6 +85,7 @@ def test_a_session_made_by_the_api_appears_live_and_the_page_deletes_it(fast_ser
     expect(page.locator(f'tr[data-id="{static}"]')).to_contain_text("static")
     expect(page.locator("#pool-text")).to_contain_text("hit rate")
     expect(page.locator("#pool-text")).to_contain_text("disk tier: off")  # no --kv-disk here
+    expect(page.locator("#tps-text")).to_contain_text("speculation ngram")
     screenshot(page, "console-live.png", tmp_path)
     row.locator("button[data-act=delete]").click()
     expect(row).to_have_count(0, timeout=3_000)

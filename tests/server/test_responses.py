@@ -73,9 +73,10 @@ def test_previous_response_continues_on_its_kv_and_equals_a_fresh_request(server
     follow = greedy(c, input="What color is it?", previous_response_id=first.id, max_output_tokens=12)
     assert follow.previous_response_id == first.id
     # The whole conversation is the prompt; all of it before the new turn comes from the first response's KV,
-    # except the first response's last token (sampled, never run through the model: the next turn runs it).
+    # but for the first response's last token when it was sampled and never run through the model (not
+    # when a drafted step checked it: then its KV is there too).
     cached = follow.usage.input_tokens_details.cached_tokens
-    assert cached == first.usage.input_tokens + first.usage.output_tokens - 1
+    assert first.usage.input_tokens + first.usage.output_tokens - 1 <= cached <= first.usage.input_tokens + first.usage.output_tokens
     assert follow.usage.input_tokens > cached
 
     whole = [{"role": "user", "content": "Name a fruit."}, *first.output,

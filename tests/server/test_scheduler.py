@@ -121,7 +121,7 @@ def test_preemption_recomputes_youngest_and_nobody_starves():
         assert sched.pool.used() <= sched.pool.budget
     assert preempted
     assert old.finished.reason == "length" and young.finished.reason == "length"
-    assert old.finished is not None and sched.preemptions >= 1
+    assert old.finished is not None and sched.counts.preemptions >= 1
     assert len(old.output_ids) == len(young.output_ids) == 18
 
 

@@ -264,7 +264,9 @@ function renderStatus(s) {
       `last step: ${s.steps.last_step_sessions} sessions, ${s.steps.last_step_tokens} tokens` +
       (s.tenants.length > 1 ? " · " + s.tenants.map((x) => `${x.tenant} ${x.running}+${x.waiting}, ${x.tokens_served} tokens`).join(" · ") : "");
     $("#tps-card").hidden = false;
-    $("#tps-text").textContent = `${s.steps.tokens_per_s_last_minute} tokens/s on average`;
+    const sp = s.speculation;
+    $("#tps-text").textContent = `${s.steps.tokens_per_s_last_minute} tokens/s on average · speculation ${sp.mode}` +
+      (sp.acceptance_rate === null ? "" : `, ${(100 * sp.acceptance_rate).toFixed(1)}% of ${sp.draft_tokens} drafts accepted`);
     drawSparkline(s.steps.tokens_per_s_by_second);
   }
   const rows = s.sessions.map((x) => {

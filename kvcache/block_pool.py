@@ -74,6 +74,9 @@ class BlockPool:
         self._block_of: dict[bytes, int] = {}
         self.reserved = 0
         self.tier = None  # a DiskTier: durable blocks, and cached ones the pool evicts, are written behind to it
+        # What the prefix index gained and lost, in order, while a listener (KV events for a router) drains it:
+        # ("stored", digest, parent digest or None, token ids) and ("removed", digest). None: nobody listens.
+        self.events: list[tuple] | None = None
 
     @classmethod
     def for_budget(cls, layout: CacheConfig, budget: int, block_size: int = DEFAULT_BLOCK_SIZE) -> BlockPool:
@@ -119,6 +122,7 @@ class BlockPool:
             block, _ = self._cached.popitem(last=False)  # the least recently used cached prefix goes
             digest = self._hash_of.pop(block)
             del self._block_of[digest]
+            self._note("removed", digest)
             self._spill(block, digest)  # to disk, rather than dropped
         self.refs[block] = 1
         return block
@@ -162,14 +166,20 @@ class BlockPool:
         return self.ids[block * self.block_size : (block + 1) * self.block_size].tolist()
 
     # ---- the prefix index --------------------------------------------------------------------
-    def publish(self, block: int, digest: bytes, durable: bool = False) -> None:
-        """Index a full block by its chained hash; a second block with the same content stays private.
-        A durable block (a persistent session's) is also written behind to the disk tier."""
+    def publish(self, block: int, digest: bytes, durable: bool = False, parent: bytes | None = None) -> None:
+        """Index a full block by its chained hash (`parent`: the block before it's); a second block with the
+        same content stays private. A durable block (a persistent session's) is also written behind to
+        the disk tier."""
         if digest not in self._block_of and block not in self._hash_of:
             self._block_of[digest] = block
             self._hash_of[block] = digest
+            self._note("stored", digest, parent, self.tokens_of(block))
         if durable:
             self._spill(block, digest)
+
+    def _note(self, *event) -> None:
+        if self.events is not None:
+            self.events.append(event)
 
     def _spill(self, block: int, digest: bytes) -> None:
         """Hand the disk tier a copy of a full block (the pool may reuse the block at once)."""
@@ -199,7 +209,7 @@ class BlockPool:
                 self.k[block].copy_(k)
                 self.v[block].copy_(v)
                 self.record(block, tokens[i * b : (i + 1) * b])
-                self.publish(block, digest)
+                self.publish(block, digest, parent=hashes[i - 1] if i else None)
                 blocks.append(block)
                 continue
             if self.ids[block * b : (block + 1) * b] != array("q", tokens[i * b : (i + 1) * b]):
@@ -219,7 +229,9 @@ class BlockPool:
         """An indexed block whose ids are not those its hash promised: never serve it, forget it, recompute."""
         self.mismatches += 1
         log.error("prefix cache: block %d is indexed under a hash its token ids do not match; dropped from the index", block)
-        del self._block_of[self._hash_of.pop(block)]
+        digest = self._hash_of.pop(block)
+        del self._block_of[digest]
+        self._note("removed", digest)
         if self.refs[block] == 0:
             del self._cached[block]
             self._free.append(block)

@@ -172,8 +172,10 @@ class SessionCache:
             if not self.pool.indexed(self.table[i]):  # (one kept through a rewind holds these ids already)
                 self.pool.record(self.table[i], tokens[i * b : min((i + 1) * b, self._length)])
         fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else b"")
+        parent = self._hashes[-1] if self._hashes else None
         for block, digest in zip(self.table[done:], fresh):
-            self.pool.publish(block, digest, durable)
+            self.pool.publish(block, digest, durable, parent)
+            parent = digest
         self._hashes += fresh
 
     def attach_prefix(self, tokens: Sequence[int], fetched: dict | None = None) -> int:

@@ -13,6 +13,7 @@ import uvicorn
 
 from kvcache import Sizing
 
+from . import cluster
 from .config import KV_DTYPES, EngineConfig, ServerConfig, parse_bytes
 from .engine.drafts import MODES, SpeculationConfig
 
@@ -65,6 +66,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: decoding requests draft tokens from their own history, checked in one step (a request's "
                         "`speculative` overrides it); off: one token a step")
     p.add_argument("--num-speculative-tokens", type=int, default=SpeculationConfig().max_draft, help="draft tokens per step, at most")
+    p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="publish KV events (blocks stored and removed, vLLM's format) there for vllm-router's kv_aware policy")
+    p.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT", help="where a router asks for batches it missed")
     p.add_argument("--tenant-weights", default="", metavar="NAME=W,...",
                    help="shares of served tokens: NAME is an API key or a --tenant-header value; others weigh 1")
 
@@ -100,6 +104,8 @@ def _engine_config(args) -> EngineConfig:
         kv_disk=args.kv_disk,
         kv_disk_budget=args.kv_disk_budget,
         speculation=SpeculationConfig(args.speculative, max_draft=args.num_speculative_tokens),
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
     )
 
 
@@ -289,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
+
+    cluster.add_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -53,6 +53,8 @@ class EngineConfig:
     session_disk_ttl: float = 7 * 86400.0  # seconds a moved session's disk copy stays after that
     request_timeout: float | None = None  # seconds a request may take, queued and running; None: no limit
     speculation: SpeculationConfig = SpeculationConfig()  # n-gram drafts: the default, and their limits
+    kv_events: str | None = None  # tcp://HOST:PORT: publish the prefix index's changes there (ZMQ PUB) for a router
+    kv_events_replay: str | None = None  # tcp://HOST:PORT: resend recent batches to a router that missed some
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",

@@ -1,4 +1,4 @@
-"""Utility routes: /tokenize, /detokenize, /health, /metrics."""
+"""Utility routes: /tokenize, /detokenize, the render routes, /health, /metrics."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -8,7 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..errors import InvalidRequest
 from . import generation, openai
-from .schemas import ERROR_RESPONSES
+from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
 from .tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter(tags=["utility"], responses=ERROR_RESPONSES)
@@ -38,6 +38,22 @@ async def tokenize(body: TokenizeRequest, http: HttpRequest) -> dict:
     if body.return_token_strs:
         out["token_strs"] = [tok.tokenizer.id_to_token(i) for i in ids]
     return out
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(body: ChatCompletionRequest, http: HttpRequest) -> dict:
+    """The prompt ids a chat request runs on (vLLM's render route, which vllm-router's kv_aware policy
+    asks before it routes): the chat route's own template, tools and all."""
+    generation.check_model(http, body.model)
+    return {"token_ids": openai.chat_prompt(generation.engine_of(http).tokenizer, body)}
+
+
+@router.post("/v1/completions/render")
+async def render_completions(body: CompletionRequest, http: HttpRequest) -> list[dict]:
+    """Each prompt's ids, as the completions route encodes them."""
+    generation.check_model(http, body.model)
+    tok = generation.engine_of(http).tokenizer
+    return [{"token_ids": tok.encode(p) if isinstance(p, str) else p} for p in openai.prompts_of(body.prompt)]
 
 
 @router.post("/detokenize")

@@ -193,7 +193,7 @@ async def _collect_all(http: HttpRequest, reqs: list[Sequence]) -> list[tuple[li
     return list(await asyncio.gather(*(generation.collect(http, r) for r in reqs)))
 
 
-def _prompts(prompt: str | list) -> list[str | list[int]]:
+def prompts_of(prompt: str | list) -> list[str | list[int]]:
     """A list of strings or of id lists is several prompts; a list of ids is one."""
     return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
 
@@ -201,7 +201,7 @@ def _prompts(prompt: str | list) -> list[str | list[int]]:
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: HttpRequest):
     tok = generation.engine_of(http).tokenizer
-    prompts = _prompts(body.prompt)
+    prompts = prompts_of(body.prompt)
     ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
     scoring = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs too
     params = _params(http, body, body.max_tokens, body.logprobs)

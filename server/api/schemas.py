@@ -47,6 +47,11 @@ StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], 
 
 # Fields that only annotate a request: accepted and ignored.
 ANNOTATION_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Fields other servers take, accepted at the value that changes nothing (vllm-router sends them so when it
+# forwards a request: SGLang's and vLLM's defaults); any other value is refused like an unknown field.
+NEUTRAL_FIELDS = {"no_stop_trim": False, "continue_final_message": False, "skip_special_tokens": True,
+                  "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+                  "include_reasoning": True}
 # Fields other servers honour that would change the output and kvserve does not implement: refused by name.
 UNSUPPORTED_FIELDS = frozenset({
     "best_of", "suffix", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
@@ -62,7 +67,7 @@ class _Body(BaseModel):
     @model_validator(mode="after")
     def _honest(self):
         for name, value in (self.model_extra or {}).items():
-            if value is None or name in ANNOTATION_FIELDS:
+            if value is None or name in ANNOTATION_FIELDS or (name in NEUTRAL_FIELDS and value == NEUTRAL_FIELDS[name]):
                 continue
             raise ValueError(self._refusal(name))
         return self

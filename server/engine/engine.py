@@ -29,6 +29,7 @@ from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .drafts import Drafter
+from .kv_events import KVEventPublisher
 from .sequence import Scheduling, Sequence
 from .session import Session, SessionStore, Turn, owner_id
 from .session_ops import SessionOps
@@ -54,6 +55,10 @@ class Engine(SessionOps):
             self.lifetimes.restore()
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
+        self.kv_events = None  # the prefix index's changes, for a router (kv_events.py)
+        if config.kv_events is not None:
+            self.kv_events = KVEventPublisher(config.kv_events, self.pool.blocks.block_size, config.kv_events_replay)
+            self.pool.blocks.events = []
         self.runner = ModelRunner(model, registry)  # its grammar masks are computed on a side thread
         keep_step_buffers()
         # warm-up and every step run here; given the executor that loaded the model, torch keeps one thread team
@@ -102,6 +107,8 @@ class Engine(SessionOps):
             self.pool.tier.close()  # every block and record handed over is on disk before the process ends
         self._worker.shutdown(wait=True)
         self.runner.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- requests --------------------------------------------------------------------------
     def submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
@@ -259,6 +266,9 @@ class Engine(SessionOps):
 
     def _observe_finished(self) -> None:
         s = self.scheduler
+        if self.kv_events is not None:  # on the step loop, which alone sends them
+            events, self.pool.blocks.events = self.pool.blocks.events, []
+            self.kv_events.publish(events)
         self.metrics.observe(s.take_retired(), s.take_counts())
         self.metrics.pool_mismatches(self.pool.blocks.mismatches)
         if self.pool.tier is not None:

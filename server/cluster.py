@@ -1,0 +1,109 @@
+"""`kvserve cluster`: N `kvserve serve` replicas on loopback, each pinned to its own cores and publishing
+its KV events, behind vllm-router (the `cluster` extra), which routes each request to the replica that
+holds most of its prefix (kv_aware) and keeps a session's requests on one replica. It launches and
+stops processes; the routing is the router's (docs/scaling.md)."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+
+from .local import free_port, wait_healthy
+
+POLICIES = ("kv_aware", "cache_aware", "round_robin", "consistent_hash", "power_of_two", "random")
+SESSION_TTL_S = 3600  # the router keeps a session on its replica until it has been idle this long
+
+
+@dataclass(frozen=True)
+class Replica:
+    url: str
+    events: str  # tcp://127.0.0.1:PORT, its KV event publisher
+    replay: str  # and the socket that resends batches a router missed
+    cores: tuple[int, ...]
+
+
+def core_sets(n: int, per: int | None) -> list[tuple[int, ...]]:
+    """n disjoint sets of `per` cores (default: an even share), wrapping round when there are too few."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = per or max(1, len(cores) // n)
+    return [tuple(cores[(i * per + j) % len(cores)] for j in range(per)) for i in range(n)]
+
+
+def router_command(binary: str, host: str, port: int, replicas: list[Replica], policy: str, model: str) -> list[str]:
+    cmd = [binary, "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *(r.url for r in replicas)]
+    if policy == "kv_aware":
+        for r in replicas:
+            cmd += ["--kv-event-source", f"{r.url}={r.events}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
+        # a replica's blocks are in RAM, the memory it computes from: the router's host tier, credited in full
+        cmd += ["--kv-event-block-size", "16", "--kv-event-model", model, "--kv-penalty-host", "1.0",
+                "--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
+    return cmd
+
+
+def start(n: int, per: int | None, serve_args: list[str], model: str) -> tuple[list[Replica], list[subprocess.Popen]]:
+    replicas, procs = [], []
+    for cores in core_sets(n, per):
+        port = free_port()
+        r = Replica(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", cores)
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
+               "--kv-events", r.events, "--kv-events-replay", r.replay, *serve_args]
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c)))
+        replicas.append(r)
+    return replicas, procs
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def cmd_cluster(args) -> int:
+    binary = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
+    if not os.path.exists(binary):
+        raise OSError("vllm-router is not installed: pip install 'kvserve[cluster]'")
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    replicas, procs = start(args.replicas, args.cores_per_replica, serve_args, args.model)
+    try:
+        for r, p in zip(replicas, procs):
+            wait_healthy(r.url, 600, p)
+        router = subprocess.Popen(router_command(binary, args.host, args.port, replicas, args.policy, args.model))
+        procs.append(router)
+        url = f"http://{args.host}:{args.port}"
+        wait_healthy(url, 120, router)
+        for r in replicas:
+            print(f"replica {r.url} on cores {','.join(map(str, r.cores))}, KV events {r.events}", flush=True)
+        print(f"router ({args.policy}) on {url}", flush=True)
+        while not done.wait(1):
+            if any(p.poll() is not None for p in procs):
+                print("a process of the cluster exited; stopping the rest", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        stop(procs)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("cluster", help="N replicas on loopback, pinned to disjoint cores, behind vllm-router")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--cores-per-replica", type=int, default=None, help="default: an even share of this process's cores")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--policy", choices=POLICIES, default="kv_aware")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for every replica's kvserve serve")
+    p.set_defaults(func=cmd_cluster)

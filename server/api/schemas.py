@@ -1,7 +1,7 @@
 """Request bodies of the HTTP API (TGI-compatible and OpenAI-compatible), validated by pydantic."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -63,11 +63,12 @@ class _Body(BaseModel):
     """A request body: a field it does not know is refused (400, named), unless it only annotates or is null."""
 
     model_config = ConfigDict(extra="allow", str_max_length=4 * 2**20)
+    _neutral: ClassVar[dict] = {}  # fields accepted at a value that changes nothing (generation bodies only)
 
     @model_validator(mode="after")
     def _honest(self):
         for name, value in (self.model_extra or {}).items():
-            if value is None or name in ANNOTATION_FIELDS or (name in NEUTRAL_FIELDS and value == NEUTRAL_FIELDS[name]):
+            if value is None or name in ANNOTATION_FIELDS or (name in self._neutral and value == self._neutral[name]):
                 continue
             raise ValueError(self._refusal(name))
         return self
@@ -181,6 +182,7 @@ class StreamOptions(_Body):
 
 
 class _OpenAISampling(_Body):
+    _neutral: ClassVar[dict] = NEUTRAL_FIELDS
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_LIMIT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None

@@ -175,8 +175,12 @@ class Constraint:
     def draftable(self, drafts: list[int], left: int) -> int:
         """How many of `drafts` to check from here: those the grammar takes, and only while the end is far
         enough that no row after them would need settle(), which sees one token a step."""
-        room = left - self._reach - WINDOW - 1
+        room = self._draft_room(left)
         return self.matcher.validate_tokens(drafts[:room]) if room > 0 else 0
+
+    def _draft_room(self, left: int) -> int:
+        """Drafts a row `left` tokens from the end may carry with every row after it still beyond settle()'s reach."""
+        return left - self._reach - WINDOW - 1
 
     def allowed_after(self, ahead: tuple[int, ...]) -> np.ndarray:
         """bool [vocab]: what the grammar allows after the drafts `ahead` (which it takes), the state left as
@@ -196,7 +200,7 @@ class Constraint:
         and none the end had come near meanwhile (this step's first mask may have found a longer ending)."""
         if self.dead_after is not None:
             kept, self.dead_after = min(kept, self.dead_after - 1), None
-        return max(0, min(kept, left - self._reach - WINDOW - 1))
+        return max(0, min(kept, self._draft_room(left)))
 
     def settle(self, token: int, left: int, ranked: Callable[[], list[int]]) -> int:
         """The token to take: the sampled `token`, unless the reply could then no longer end within the

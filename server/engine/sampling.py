@@ -194,8 +194,9 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray
         u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [m], one draw per row
         # plain rows and filtering rows (top-k/p, min-p) are drawn apart, so that a row's token never depends
         # on what the other rows of its step ask for
-        plain = [not r.params.greedy and not r.params.filters for r in rows]
-        for group in ([i for i, p in enumerate(plain) if p], [i for i, (r, p) in enumerate(zip(rows, plain)) if not p and not r.params.greedy]):
+        drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
+        for filters in (False, True):
+            group = [i for i in drawn if rows[i].params.filters is filters]
             if group:
                 which = torch.tensor(group)
                 tokens[which] = _draw(logits[which], [rows[i] for i in group], u[which])

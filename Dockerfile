@@ -10,11 +10,17 @@ RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /
 # the CPU build of torch, pinned like pyproject.toml (a plain `torch` would pull a CUDA build)
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
+# EXTRAS=cluster (docker-compose's scale profile): vllm-router and the KV event publisher's packages,
+# and nginx for session traffic
+ARG EXTRAS=
+RUN if [ -n "$EXTRAS" ]; then apt-get update && apt-get install -y --no-install-recommends nginx-light \
+      && rm -rf /var/lib/apt/lists/*; fi
+
 COPY pyproject.toml README.md ./
 COPY kvcache ./kvcache
 COPY models ./models
 COPY server ./server
-RUN pip install . && kvserve kernels
+RUN pip install ".${EXTRAS:+[$EXTRAS]}" && kvserve kernels
 
 VOLUME /data/kvserve
 EXPOSE 8000

@@ -72,6 +72,7 @@ class BlockPool:
         self._cached: OrderedDict[int, None] = OrderedDict()
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
+        self._parent_of: dict[int, bytes | None] = {}  # an indexed block's predecessor's hash: a disk copy keeps the chain
         self.reserved = 0
         self.tier = None  # a DiskTier: durable blocks, and cached ones the pool evicts, are written behind to it
         # What the prefix index gained and lost, in order, while a listener (KV events for a router) drains it:
@@ -123,7 +124,7 @@ class BlockPool:
             digest = self._hash_of.pop(block)
             del self._block_of[digest]
             self._note("removed", digest)
-            self._spill(block, digest)  # to disk, rather than dropped
+            self._spill(block, digest, self._parent_of.pop(block))  # to disk, rather than dropped
         self.refs[block] = 1
         return block
 
@@ -173,18 +174,19 @@ class BlockPool:
         if digest not in self._block_of and block not in self._hash_of:
             self._block_of[digest] = block
             self._hash_of[block] = digest
+            self._parent_of[block] = parent
             self._note("stored", digest, parent, self.tokens_of(block))
         if durable:
-            self._spill(block, digest)
+            self._spill(block, digest, parent)
 
     def _note(self, *event) -> None:
         if self.events is not None:
             self.events.append(event)
 
-    def _spill(self, block: int, digest: bytes) -> None:
+    def _spill(self, block: int, digest: bytes, parent: bytes | None) -> None:
         """Hand the disk tier a copy of a full block (the pool may reuse the block at once)."""
         if self.tier is not None and self.tier.healthy and not self.tier.has(digest):
-            self.tier.offer(digest, self.tokens_of(block), self.k[block].clone(), self.v[block].clone())
+            self.tier.offer(digest, self.tokens_of(block), self.k[block].clone(), self.v[block].clone(), parent)
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of `hashes` the index holds now."""
@@ -231,6 +233,7 @@ class BlockPool:
         log.error("prefix cache: block %d is indexed under a hash its token ids do not match; dropped from the index", block)
         digest = self._hash_of.pop(block)
         del self._block_of[digest]
+        del self._parent_of[block]
         self._note("removed", digest)
         if self.refs[block] == 0:
             del self._cached[block]

@@ -68,6 +68,10 @@ class DiskTier(SessionRecords):
         self._writes: queue.Queue = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition(self._lock)
+        # What this server wrote to the folder and removed from it, in order, while a listener (KV events for a
+        # router) drains it with take_events: ("stored", digest, parent digest or None, token ids), ("removed", digest).
+        # None: nobody listens. Blocks found in the folder, not written here, are never announced.
+        self.events: list[tuple] | None = None
         self._init_records()
         try:
             (self.root / "blocks").mkdir(parents=True, exist_ok=True)
@@ -88,13 +92,23 @@ class DiskTier(SessionRecords):
 
     # ---- blocks ------------------------------------------------------------------------------
     def has(self, digest: bytes) -> bool:
-        return digest in self._on_disk
+        """Whether the block is on disk: one this server wrote or found at start, or one another server on
+        the shared folder wrote since (looked up on disk, then known)."""
+        if digest in self._on_disk:
+            return True
+        if not self._path(digest).is_file():
+            return False
+        with self._lock:
+            self._on_disk[digest] = None
+        return True
 
-    def offer(self, digest: bytes, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write a full block behind (the caller hands over copies), unless it is on disk already."""
+    def offer(self, digest: bytes, tokens: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+              parent: bytes | None = None) -> None:
+        """Write a full block behind (the caller hands over copies), unless it is on disk already; `parent`
+        is the hash of the block before it, for the events."""
         if not self.healthy or digest in self._on_disk:
             return
-        self._enqueue(("block", digest, list(tokens), k, v))
+        self._enqueue(("block", digest, list(tokens), k, v, parent))
 
     def prefetch(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> Future:
         """Read back, on the reader thread, the blocks of `hashes` (chained hashes of `tokens`'s full
@@ -105,7 +119,7 @@ class DiskTier(SessionRecords):
     def _read_prefix(self, hashes: list[bytes], tokens: list[int]) -> dict[bytes, tuple[torch.Tensor, torch.Tensor]]:
         start, out, b = time.perf_counter(), {}, self.block_size
         for i, digest in enumerate(hashes):
-            if digest not in self._on_disk:
+            if not self.has(digest):
                 self.stats.misses += 1
                 break
             got = self._read(digest, tokens[i * b : (i + 1) * b])
@@ -187,7 +201,7 @@ class DiskTier(SessionRecords):
         if job[0] in ("session", "delete", "release"):
             self._do_record(job)
         else:
-            _, digest, tokens, k, v = job
+            _, digest, tokens, k, v, parent = job
             if digest in self._on_disk or self.file_bytes > self.budget:
                 return
             start = time.perf_counter()
@@ -203,6 +217,7 @@ class DiskTier(SessionRecords):
             write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
             with self._lock:
                 self._on_disk[digest] = None
+                self._note("stored", digest, parent, tokens)
             self.stats.write_s.append(time.perf_counter() - start)
 
     def _make_room(self) -> None:
@@ -210,6 +225,7 @@ class DiskTier(SessionRecords):
         while (len(self._on_disk) + 1) * self.file_bytes > self.budget and self._on_disk:
             with self._lock:
                 digest, _ = self._on_disk.popitem(last=False)
+                self._note("removed", digest)
             self._path(digest).unlink(missing_ok=True)
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -232,7 +248,18 @@ class DiskTier(SessionRecords):
 
     def _forget(self, digest: bytes) -> None:
         with self._lock:
-            self._on_disk.pop(digest, None)
+            if self._on_disk.pop(digest, False) is None:
+                self._note("removed", digest)
+
+    def _note(self, *event) -> None:
+        """Under the lock."""
+        if self.events is not None:
+            self.events.append(event)
+
+    def take_events(self) -> list[tuple]:
+        with self._lock:
+            events, self.events = self.events, ([] if self.events is not None else None)
+        return events or []
 
     def _fail(self, error: OSError) -> None:
         self.stats.errors += 1

@@ -1,7 +1,12 @@
 """`kvserve cluster`: N `kvserve serve` replicas on loopback, each pinned to its own cores and publishing
 its KV events, behind vllm-router (the `cluster` extra), which routes each request to the replica that
-holds most of its prefix (kv_aware) and keeps a session's requests on one replica. It launches and
-stops processes; the routing is the router's (docs/scaling.md)."""
+holds most of its prefix (kv_aware); with --nginx, nginx in front sends session traffic straight to the
+session's replica (server/cluster_front.py). It launches, watches and stops processes; the routing is
+the router's and nginx's (docs/scaling.md).
+
+A replica that dies is reported and left out: the router's health checks stop sending to it, and the
+others go on. It is not restarted, since a session that moved to another replica (by a shared --kv-disk)
+would hash back to it and find itself held there."""
 from __future__ import annotations
 
 import argparse
@@ -10,13 +15,22 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
+from models.catalog import NAMED_MODELS, fetch
+
+from .cluster_front import start_nginx
 from .local import free_port, wait_healthy
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin", "consistent_hash", "power_of_two", "random")
 SESSION_TTL_S = 3600  # the router keeps a session on its replica until it has been idle this long
+# A dead replica must leave the rotation in seconds, not the router's default minutes: until then every
+# request routed to it fails once and is retried on another.
+HEALTH_FLAGS = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "2", "--health-failure-threshold", "2",
+                "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "30"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +49,8 @@ def core_sets(n: int, per: int | None) -> list[tuple[int, ...]]:
 
 
 def router_command(binary: str, host: str, port: int, replicas: list[Replica], policy: str, model: str) -> list[str]:
-    cmd = [binary, "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *(r.url for r in replicas)]
+    cmd = [binary, "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *(r.url for r in replicas),
+           *HEALTH_FLAGS]
     if policy == "kv_aware":
         for r in replicas:
             cmd += ["--kv-event-source", f"{r.url}={r.events}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
@@ -69,32 +84,59 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def cmd_cluster(args) -> int:
+def router_binary() -> str:
     binary = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable), "vllm-router")
     if not os.path.exists(binary):
         raise OSError("vllm-router is not installed: pip install 'kvserve[cluster]'")
+    return binary
+
+
+def watch(done: threading.Event, replicas: list[Replica], procs: list[subprocess.Popen]) -> int:
+    """Until SIGTERM -> 0; or until the router, nginx or the last replica exits -> 1."""
+    dead: set[int] = set()
+    while not done.wait(1):
+        for i, (r, p) in enumerate(zip(replicas, procs)):
+            if i not in dead and p.poll() is not None:
+                dead.add(i)
+                print(f"replica {r.url} exited with {p.returncode}; {len(replicas) - len(dead)} of {len(replicas)} "
+                      "replicas serve on", file=sys.stderr, flush=True)
+        if len(dead) == len(replicas) or any(p.poll() is not None for p in procs[len(replicas):]):
+            print("kvserve cluster: the router, nginx or every replica exited; stopping the rest", file=sys.stderr, flush=True)
+            return 1
+    return 0
+
+
+def cmd_cluster(args) -> int:
+    binary = router_binary()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    if args.model in NAMED_MODELS:
+        fetch(args.model)  # once, before N replicas would each download it on a first start
     replicas, procs = start(args.replicas, args.cores_per_replica, serve_args, args.model)
+    work = None
     try:
         for r, p in zip(replicas, procs):
             wait_healthy(r.url, 600, p)
-        router = subprocess.Popen(router_command(binary, args.host, args.port, replicas, args.policy, args.model))
-        procs.append(router)
+        router_port = free_port() if args.nginx else args.port
+        router_host = "127.0.0.1" if args.nginx else args.host
+        procs.append(subprocess.Popen(router_command(binary, router_host, router_port, replicas, args.policy, args.model)))
+        wait_healthy(f"http://{router_host}:{router_port}", 120, procs[-1])
+        if args.nginx:
+            work = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))
+            procs.append(start_nginx(work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
+                                     [r.url.removeprefix("http://") for r in replicas]))
         url = f"http://{args.host}:{args.port}"
-        wait_healthy(url, 120, router)
-        for r in replicas:
-            print(f"replica {r.url} on cores {','.join(map(str, r.cores))}, KV events {r.events}", flush=True)
-        print(f"router ({args.policy}) on {url}", flush=True)
-        while not done.wait(1):
-            if any(p.poll() is not None for p in procs):
-                print("a process of the cluster exited; stopping the rest", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        wait_healthy(url, 60, procs[-1])
+        for r, p in zip(replicas, procs):
+            print(f"replica {r.url} on cores {','.join(map(str, r.cores))}, pid {p.pid}, KV events {r.events}", flush=True)
+        print(f"router ({args.policy}){', behind nginx for sessions,' if args.nginx else ''} on {url}", flush=True)
+        return watch(done, replicas, procs)
     finally:
         stop(procs)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def add_parser(sub) -> None:
@@ -104,6 +146,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--policy", choices=POLICIES, default="kv_aware")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="the router's port")
+    p.add_argument("--port", type=int, default=8000, help="the cluster's port: the router's, or nginx's with --nginx")
+    p.add_argument("--nginx", action="store_true",
+                   help="nginx in front: requests with a session (X-Session-Id, /v1/sessions/ID) go to its replica")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for every replica's kvserve serve")
     p.set_defaults(func=cmd_cluster)

@@ -5,6 +5,7 @@ import contextlib
 import json
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -106,6 +107,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
+    app.state.instance_id = uuid.uuid4().hex  # this process's boot id: a router tells a restarted replica by it
     for module in (console, tgi, openai, responses, anthropic, ollama, sessions, misc):
         app.include_router(module.router)
 

@@ -1,4 +1,5 @@
-"""Utility routes: /tokenize, /detokenize, the render routes, /health, /metrics."""
+"""Utility routes: /tokenize, /detokenize, the render routes, /health, /metrics, and what a router's
+discovery reads (/get_server_info, /kv_event_sources)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -6,6 +7,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..engine.kv_events import REPLAY_BATCHES
 from ..errors import InvalidRequest
 from . import generation, openai
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest
@@ -86,3 +88,26 @@ async def health_head(http: HttpRequest) -> Response:
 @router.get("/metrics")
 async def metrics(http: HttpRequest) -> Response:
     return Response(generation.engine_of(http).render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/get_server_info")
+async def server_info(http: HttpRequest) -> dict:
+    """The model, this process's boot id and the block size of its KV events, in the fields vllm-router's
+    discovery reads (SGLang's shape)."""
+    engine = generation.engine_of(http)
+    name = http.app.state.config.model_name
+    return {"model_id": name, "model_path": name, "instance_id": http.app.state.instance_id,
+            "kv_block_size": engine.pool.blocks.block_size, "worker_type": "regular",
+            "max_model_len": engine.max_context, "kv_events": engine.config.kv_events is not None}
+
+
+@router.get("/kv_event_sources")
+async def kv_event_sources(http: HttpRequest) -> dict:
+    """Where this server publishes its KV events, keyed by data-parallel rank as vLLM's KVEventsConfig is:
+    one rank, or none without --kv-events. A wildcard host (tcp://*:P) is the router's to fill in."""
+    config = generation.engine_of(http).config
+    if config.kv_events is None:
+        return {}
+    return {"0": {"endpoint": config.kv_events, "replay_endpoint": config.kv_events_replay, "topic": "",
+                  "publisher": "zmq", "encoding": "msgpack", "schema_version": 1, "buffer_steps": REPLAY_BATCHES,
+                  "enable_kv_cache_events": True}}

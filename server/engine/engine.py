@@ -59,6 +59,8 @@ class Engine(SessionOps):
         if config.kv_events is not None:
             self.kv_events = KVEventPublisher(config.kv_events, self.pool.blocks.block_size, config.kv_events_replay)
             self.pool.blocks.events = []
+            if self.pool.tier is not None:
+                self.pool.tier.events = []
         self.runner = ModelRunner(model, registry)  # its grammar masks are computed on a side thread
         keep_step_buffers()
         # warm-up and every step run here; given the executor that loaded the model, torch keeps one thread team
@@ -268,7 +270,7 @@ class Engine(SessionOps):
         s = self.scheduler
         if self.kv_events is not None:  # on the step loop, which alone sends them
             events, self.pool.blocks.events = self.pool.blocks.events, []
-            self.kv_events.publish(events)
+            self.kv_events.publish(events, self.pool.tier.take_events() if self.pool.tier is not None else [])
         self.metrics.observe(s.take_retired(), s.take_counts())
         self.metrics.pool_mismatches(self.pool.blocks.mismatches)
         if self.pool.tier is not None:

@@ -4,7 +4,8 @@ publisher does, in the form vllm-router's kv_aware policy reads (docs/scaling.md
 A message is three frames, [topic (empty), sequence number (8 bytes, big-endian, from 0), payload]; the
 payload is msgpack [timestamp, events, data-parallel rank 0], and each event a map tagged by "type":
 BlockStored (the block hashes, the parent's, the blocks' token ids, the block size, the medium),
-BlockRemoved and AllBlocksCleared. The hashes are the pool's own chained digests, as msgpack bin: the
+BlockRemoved and AllBlocksCleared. The medium is "CPU" for the pool's blocks and "DISK" for the blocks
+this server wrote to the disk tier (--kv-disk), which the router credits less (--kv-penalty-disk). The hashes are the pool's own chained digests, as msgpack bin: the
 router keys its index on the token ids the events carry and chains blocks by these hashes, so it needs
 no hash function of kvserve's. The first batch clears whatever a router knew of this endpoint (a
 restarted server starts empty); a router that missed a batch asks the replay socket for it.
@@ -19,15 +20,15 @@ from collections import deque
 log = logging.getLogger("kvserve.kv_events")
 
 # The pool's blocks are in RAM, the memory kvserve computes from: vllm-router's host tier (kvserve
-# cluster credits it in full). Blocks on the disk tier would be "DISK".
-MEDIUM = "CPU"
+# cluster credits it in full). The disk tier's must be read back first: its disk tier.
+RAM, DISK = "CPU", "DISK"
 REPLAY_BATCHES = 4096  # batches the replay socket can still send to a router that missed them
 END_OF_REPLAY = b"\xff" * 8
 
 
-def encode(events: list[tuple], block_size: int) -> list[dict]:
-    """The pool's events ("stored", digest, parent, token ids) / ("removed", digest) / ("cleared",) -> vLLM's
-    event maps; consecutive stores of one chain go in one BlockStored, as vLLM sends them."""
+def encode(events: list[tuple], block_size: int, medium: str = RAM) -> list[dict]:
+    """The pool's or the disk tier's events ("stored", digest, parent, token ids) / ("removed", digest) /
+    ("cleared",) -> vLLM's event maps; consecutive stores of one chain go in one BlockStored, as vLLM sends them."""
     out: list[dict] = []
     for event in events:
         kind = event[0]
@@ -39,14 +40,14 @@ def encode(events: list[tuple], block_size: int) -> list[dict]:
                 last["token_ids"] += tokens
                 continue
             out.append({"type": "BlockStored", "block_hashes": [digest], "parent_block_hash": parent,
-                        "token_ids": list(tokens), "block_size": block_size, "lora_id": None, "medium": MEDIUM,
+                        "token_ids": list(tokens), "block_size": block_size, "lora_id": None, "medium": medium,
                         "lora_name": None})
         elif kind == "removed":
             last = out[-1] if out else None
             if last is not None and last["type"] == "BlockRemoved":
                 last["block_hashes"].append(event[1])
             else:
-                out.append({"type": "BlockRemoved", "block_hashes": [event[1]], "medium": MEDIUM})
+                out.append({"type": "BlockRemoved", "block_hashes": [event[1]], "medium": medium})
         else:
             out.append({"type": "AllBlocksCleared"})
     return out
@@ -76,10 +77,12 @@ class KVEventPublisher:
             self._replay.start()
         self.publish([("cleared",)])
 
-    def publish(self, events: list[tuple]) -> None:
-        if not events:
+    def publish(self, events: list[tuple], disk_events: list[tuple] = ()) -> None:
+        """One batch: what the pool gained and lost, then what the disk tier did."""
+        if not events and not disk_events:
             return
-        payload = self._pack([time.time(), encode(events, self.block_size), 0], use_bin_type=True)
+        encoded = encode(events, self.block_size) + encode(disk_events, self.block_size, DISK)
+        payload = self._pack([time.time(), encoded, 0], use_bin_type=True)
         with self._lock:
             seq, self._seq = self._seq, self._seq + 1
             self._sent.append((seq, payload))

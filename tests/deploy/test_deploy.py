@@ -11,6 +11,8 @@ import pytest
 import yaml
 
 from models import load_model
+from server.cli import build_parser
+from server.cluster import cmd_cluster
 from server.config import EngineConfig
 
 from ..live_server import LiveServer, free_port
@@ -21,15 +23,24 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_compose_parses_and_names_only_real_files():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"server", "locust", "prometheus", "replica", "nginx"} <= set(services)
-    assert services["replica"]["profiles"] == ["scale"] and services["nginx"]["profiles"] == ["scale"]
+    assert {"server", "locust", "prometheus", "cluster"} <= set(services)
+    cluster = services["cluster"]
+    assert cluster["profiles"] == ["scale"] and cluster["build"]["args"]["EXTRAS"] == "cluster"
+    assert "ARG EXTRAS" in (ROOT / "Dockerfile").read_text()
+    # the scale profile's command is one `kvserve cluster` accepts, with nginx in front and a shared disk
+    command = cluster["command"]
+    assert command[:2] == ["kvserve", "cluster"]
+    args = build_parser().parse_args(command[1:])
+    assert args.func is cmd_cluster and args.nginx and args.replicas == 3 and "--kv-disk" in args.serve_args
+    assert f"{args.port}:{args.port}" in cluster["ports"]
     for name, svc in services.items():
         for volume in svc.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("./"):
                 assert (ROOT / source).exists(), f"{name} mounts missing {source}"
         if "build" in svc:
-            assert (ROOT / svc["build"] / "Dockerfile").is_file()
+            context = svc["build"]["context"] if isinstance(svc["build"], dict) else svc["build"]
+            assert (ROOT / context / "Dockerfile").is_file()
     locust_file = services["locust"]["command"][services["locust"]["command"].index("-f") + 1]
     assert locust_file.startswith("/mnt/bench/") and (ROOT / "bench" / Path(locust_file).name).is_file()
     assert "server:8000" in (ROOT / "deploy/prometheus.yml").read_text()

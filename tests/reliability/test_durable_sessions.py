@@ -171,13 +171,16 @@ def test_a_store_that_cannot_be_a_folder_degrades_to_ram(tmp_path, tiny_checkpoi
 
 
 def test_a_session_moves_to_the_server_beside_it_when_its_own_dies(tmp_path, tiny_checkpoints):
+    """Both servers share the folder from the start: the blocks the first writes after the second came up
+    are found by the second all the same."""
     store, model = tmp_path / "store", ["--model", str(tiny_checkpoints["llama"]), "--weights", "f32"]
     first_port, second_port = free_port(), free_port()
     first = start_cli_server([*model, "--kv-disk", str(store)], first_port)
-    second = None
+    second = start_cli_server([*model, "--kv-disk", str(store)], second_port)
     try:
-        a = f"http://127.0.0.1:{first_port}"
+        a, b = f"http://127.0.0.1:{first_port}", f"http://127.0.0.1:{second_port}"
         wait_healthy(a, timeout=300, proc=first)
+        wait_healthy(b, timeout=300, proc=second)
         sid = httpx.post(a + "/v1/sessions", json={}).json()["id"]
         for words in (60, 30):
             body = {"inputs": "word " * words, "session_id": sid, "parameters": {"max_new_tokens": 4}}
@@ -185,9 +188,6 @@ def test_a_session_moves_to_the_server_beside_it_when_its_own_dies(tmp_path, tin
         assert httpx.post(f"{a}/v1/sessions/{sid}/snapshot").json()["on_disk"] is True
         length = httpx.get(f"{a}/v1/sessions/{sid}").json()["length"]
 
-        second = start_cli_server([*model, "--kv-disk", str(store)], second_port)
-        b = f"http://127.0.0.1:{second_port}"
-        wait_healthy(b, timeout=300, proc=second)
         turn = {"inputs": " more", "session_id": sid, "parameters": {"max_new_tokens": 4, "details": True}}
         held = httpx.post(b + "/generate", json=turn, timeout=60)
         assert held.status_code == 409 and "another server" in held.json()["error"]["message"]

@@ -1,0 +1,84 @@
+"""nginx in front of `kvserve cluster` (--nginx): session traffic goes straight to the replica that holds
+the session, the rest to vllm-router.
+
+A session lives on one replica. The router cannot keep all of a session's routes there: it forwards
+`/v1/sessions/...` without the client's headers, and keys its affinity on the body's model, which a GET
+or DELETE has none of (docs/scaling.md). nginx hashes the session's id instead: the `X-Session-Id` header,
+else the id in `/v1/sessions/{id}/...`. A request with neither goes to the router. When a replica dies,
+its sessions hash to the next one, which takes them up from a shared --kv-disk.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+FAIL_TIMEOUT_S = 10  # a replica that refused a connection is skipped this long before nginx tries it again
+
+
+def nginx_binary() -> str:
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(binary).exists():
+        raise OSError("nginx is not installed (Debian: apt-get install nginx-light); it is needed for --nginx")
+    return binary
+
+
+def nginx_config(work: Path, listen: str, router: str, replicas: list[str]) -> str:
+    """The whole nginx.conf: `listen` (HOST:PORT), `router` and each replica as HOST:PORT."""
+    temp = "\n    ".join(f"{kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    servers = "\n        ".join(f"server {r} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;" for r in replicas)
+    return f"""# written by kvserve cluster --nginx (server/cluster_front.py)
+worker_processes 1;
+daemon off;
+pid {work / "nginx.pid"};
+error_log {work / "error.log"} warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    {temp}
+    map $uri $kvserve_path_session {{
+        ~^/v1/sessions/(?<sid>[A-Za-z0-9_-]+) $sid;
+        default "";
+    }}
+    map "$http_x_session_id|$kvserve_path_session" $kvserve_session {{
+        ~^(?<h>[^|]+)\\|  $h;
+        ~^\\|(?<p>.+)$    $p;
+        default          "";
+    }}
+    map $kvserve_session $kvserve_upstream {{
+        ""      kvserve_router;
+        default kvserve_sessions;
+    }}
+    upstream kvserve_sessions {{
+        hash $kvserve_session consistent;
+        {servers}
+        keepalive 32;
+    }}
+    upstream kvserve_router {{
+        server {router};
+        keepalive 32;
+    }}
+    server {{
+        listen {listen};
+        client_max_body_size 8m;
+        location / {{
+            proxy_pass http://$kvserve_upstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_set_header Host $host;
+            # a replica that is down: on to the next one in the ring, for a request not yet sent
+            proxy_next_upstream error timeout;
+            proxy_connect_timeout 2s;
+            # token streams (SSE) must not wait in a buffer
+            proxy_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(work: Path, listen: str, router: str, replicas: list[str]) -> subprocess.Popen:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "nginx.conf").write_text(nginx_config(work, listen, router, replicas))
+    return subprocess.Popen([nginx_binary(), "-c", str(work / "nginx.conf"), "-p", str(work)])

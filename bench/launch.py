@@ -1,10 +1,12 @@
-"""Start `kvserve serve` on a free local port for a benchmark, and stop it afterwards."""
+"""Start `kvserve serve`, or `kvserve cluster`, on a free local port for a benchmark, and stop it afterwards."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import subprocess
 import sys
+import time
 
 from server.local import free_port, wait_healthy
 
@@ -22,6 +24,34 @@ def launched_server(model: str, extra: list[str] | None = None, timeout: float =
         proc.terminate()
         try:
             proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextlib.contextmanager
+def launched_cluster(model: str, replicas: int, policy: str, cores_per_replica: int | None = None,
+                     extra: list[str] | None = None, timeout: float = 900):
+    """`kvserve cluster` -> (its URL, the replicas' URLs)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "cluster", "--model", model, "--replicas", str(replicas), "--policy", policy,
+           "--port", str(port), *(["--cores-per-replica", str(cores_per_replica)] if cores_per_replica else []),
+           "--", "--log-level", "warning", *(extra or [])]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        urls, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"kvserve cluster exited with {proc.wait()}")
+            if m := re.match(r"replica (\S+) on cores", line):
+                urls.append(m.group(1))
+            elif line.startswith("router"):
+                break
+        yield f"http://127.0.0.1:{port}", urls
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             proc.kill()
 

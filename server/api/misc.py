@@ -1,5 +1,5 @@
 """Utility routes: /tokenize, /detokenize, the render routes, /health, /metrics, and what a router's
-discovery reads (/get_server_info, /kv_event_sources)."""
+discovery and load balancing read (/get_server_info, /kv_event_sources, /get_load)."""
 from __future__ import annotations
 
 from fastapi import APIRouter
@@ -111,3 +111,12 @@ async def kv_event_sources(http: HttpRequest) -> dict:
     return {"0": {"endpoint": config.kv_events, "replay_endpoint": config.kv_events_replay, "topic": "",
                   "publisher": "zmq", "encoding": "msgpack", "schema_version": 1, "buffer_steps": REPLAY_BATCHES,
                   "enable_kv_cache_events": True}}
+
+
+@router.get("/get_load")
+async def load(http: HttpRequest) -> dict:
+    """Requests running and waiting here: what vllm-router's power_of_two compares (SGLang's shape)."""
+    engine = generation.engine_of(http)
+    with engine.lock:
+        running, waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+    return {"load": running + waiting, "num_reqs": running, "num_waiting_reqs": waiting}

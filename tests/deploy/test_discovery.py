@@ -28,6 +28,7 @@ def test_the_discovery_routes_answer_as_the_router_reads_them(replicas):
     a, _ = replicas
     info = httpx.get(a.url + "/get_server_info").json()
     assert info["model_id"] == MODEL and info["kv_block_size"] == 16 and len(info["instance_id"]) == 32
+    assert httpx.get(a.url + "/get_load").json() == {"load": 0, "num_reqs": 0, "num_waiting_reqs": 0}
     sources = httpx.get(a.url + "/kv_event_sources").json()
     assert sources == {"0": {"endpoint": a.engine.config.kv_events, "replay_endpoint": a.engine.config.kv_events_replay,
                              "topic": "", "publisher": "zmq", "encoding": "msgpack", "schema_version": 1,

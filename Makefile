@@ -17,7 +17,7 @@ STAMP_RUN := $(VENV)/.installed
 STAMP_TEST := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
 
-.PHONY: test test-fast serve install loadtest bench clean system-deps
+.PHONY: test test-fast serve install loadtest bench compare clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -64,6 +64,12 @@ serve: $(STAMP_RUN)
 loadtest: $(STAMP_BENCH)
 	$(BIN)/python bench/loadtest.py --model $(MODEL) --users $(USERS) --spawn-rate $(SPAWN_RATE) \
 	  --duration $(DURATION) --results $(RESULTS)
+
+# kvserve against llama.cpp's llama-server (built once from the llama-cpp-python sdist, into the cache)
+compare: $(STAMP_BENCH)
+	@command -v cmake >/dev/null && command -v g++ >/dev/null || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q cmake g++ >/dev/null; }
+	$(BIN)/python bench/compare_llamacpp.py --server $(COMPARE_ARGS)
 
 bench: $(STAMP_BENCH)
 	$(BIN)/python bench/model_step.py

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,11 +30,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 import multiturn  # noqa: E402
-from launch import launched_cluster, launched_server  # noqa: E402
+from launch import launched_cluster, launched_server, running  # noqa: E402
 from serve_bench import make_requests, run_level  # noqa: E402
 
 from server.cluster_front import nginx_binary  # noqa: E402
-from server.local import free_port, wait_healthy  # noqa: E402
+from server.local import free_port  # noqa: E402
 
 ROUTING = ("kv_aware", "cache_aware", "round_robin", "nginx")
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +51,6 @@ def prefix_counts(replicas: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-@contextlib.contextmanager
 def nginx_before(replicas: list[str]):
     """deploy/nginx/'s routing in front of the replicas, as a multi-host deployment runs it."""
     work, port = Path(tempfile.mkdtemp(prefix="kvserve-bench-nginx-")), free_port()
@@ -65,14 +63,7 @@ http {{ access_log off; client_body_temp_path {work}/b; proxy_temp_path {work}/p
   uwsgi_temp_path {work}/u; scgi_temp_path {work}/s; include {work}/routing.conf;
   upstream kvserve_replicas {{ hash $kvserve_session_key consistent; {servers} keepalive 32; }} }}
 """)
-    proc = subprocess.Popen([nginx_binary(), "-c", str(work / "nginx.conf"), "-p", str(work)])
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 30, proc)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    return running([nginx_binary(), "-c", str(work / "nginx.conf"), "-p", str(work)], port, 30)
 
 
 def routing_run(target: str, args) -> dict:

@@ -1,85 +1,178 @@
-"""One stream, same GGUF, same window: llama.cpp (llama-cpp-python, in process) against kvserve over HTTP.
+"""kvserve against llama.cpp's llama-server, side by side: same GGUF, same threads, both up at once, each
+load taken in turns (the order reversed every round), in one window.
 
-    pip install llama-cpp-python==0.3.36   # builds llama.cpp from source (about 10 minutes on 2 cores)
-    python bench/compare_llamacpp.py [--rounds 5] [--tokens 128] [--threads 2]
+    python bench/compare_llamacpp.py --server [--rounds 2] [--loads streams,prefill,multiturn,long]
+    make compare
 
-This machine's speed drifts by a quarter within minutes, so the two engines take turns, round by
-round, and the ratio of their medians is the figure to read. Each round decodes --tokens greedy tokens
-from the same prompt; the decode rate excludes the prompt (tokens after the first / time after it).
-Prints JSON.
+--server builds llama-server once (bench/llama_server.py) and runs it with `-np 32 -c 98304 -t 2
+--cont-batching`. The loads, all streamed and greedy:
+- streams: 1, 8 and 32 concurrent streams of distinct short prompts (output tok/s, ITL);
+- prefill: one 1,000-token prompt no server has seen, one token of reply (prompt tok/s);
+- multiturn: bench/multiturn.py, 32 users x 6 turns, the history resent, no sessions (tok/s, TTFT);
+- long: 32 conversations with 2,000-token histories, each history sent once first (untimed), then all
+  32 decode 64 tokens together (output tok/s, ITL).
+The machine's read bandwidth is measured in the same run (bench/bandwidth.py): one stream's weight
+bytes per token times its tok/s, over that, is the fraction of the memory bus it uses. Prints JSON:
+every run, the medians, and kvserve / llama-server for each figure.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import platform
+import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import httpx
 
-from launch import launched_server
-from models import DEFAULT_MODEL
-from models.catalog import fetch
-from serve_bench import one
+sys.path.insert(0, str(Path(__file__).parent))
+import bandwidth  # noqa: E402
+import multiturn  # noqa: E402
+from launch import launched_server  # noqa: E402
+from llama_server import build, llama_server  # noqa: E402
+from serve_bench import WORDS, make_requests, run_level, summary  # noqa: E402
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+from models import DEFAULT_MODEL  # noqa: E402
+from models.catalog import fetch  # noqa: E402
 
-
-def llamacpp_round(llm, prompt_tokens: list[int], n_tokens: int) -> float:
-    """Decode tok/s of one greedy generation (llama.cpp keeps no state between rounds after reset)."""
-    llm.reset()
-    stamps = []
-    for _ in llm.generate(prompt_tokens, top_k=1, temp=0.0, reset=True):
-        stamps.append(time.perf_counter())
-        if len(stamps) == n_tokens:
-            break
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+LOADS = ("streams", "prefill", "multiturn", "long")
 
 
-def kvserve_round(url: str, n_tokens: int) -> float:
+def distinct_text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def streams(url: str, args, rnd: int) -> dict:
+    out = {}
+    for c in (1, 8, 32):
+        n, length = (4, 128) if c == 1 else (2 * c, 64)
+        report = asyncio.run(run_level(url, DEFAULT_MODEL, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
+        out[f"{c}_streams"] = {"output_tok_s": report["output_tok_s"], "itl_p50_ms": report["itl_ms"].get("p50"),
+                               "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"]}
+    return out
+
+
+def prefill(url: str, args, rnd: int) -> dict:
+    """A prompt of about args.prefill_tokens tokens, unseen by either server (seeded by round and server)."""
+    rng = random.Random(f"{args.seed}-{rnd}-{url}")
+    body = {"model": DEFAULT_MODEL, "prompt": distinct_text(rng, args.prefill_tokens), "max_tokens": 1, "temperature": 0}
+    start = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    wall = time.perf_counter() - start
+    r.raise_for_status()
+    tokens = r.json()["usage"]["prompt_tokens"]
+    return {"prefill": {"prompt_tokens": tokens, "prompt_tok_s": round(tokens / wall, 1), "failed": 0}}
+
+
+def multi(url: str, args, rnd: int) -> dict:
+    load = argparse.Namespace(url=url, model=DEFAULT_MODEL, users=args.users, turns=args.turns, sessions=False,
+                              first_words=30, turn_words=20, output_len=48, seed=args.seed + rnd)
+    report = asyncio.run(multiturn.run(load))
+    return {"multiturn": {"output_tok_s": report["output_tok_s"], "failed": report["failed"],
+                          "ttft_p50_last_two_turns_ms": report["ttft_ms_last_two_turns"].get("p50")}}
+
+
+def long(url: str, args, rnd: int) -> dict:
+    rng = random.Random(f"{args.seed}-{rnd}-long-{url}")
+    prompts = [distinct_text(rng, int(args.history_tokens * 0.75)) for _ in range(args.long_users)]
+
     async def go():
-        async with httpx.AsyncClient(timeout=600) as client:
-            return await one(client, url, DEFAULT_MODEL, PROMPT, n_tokens)
+        async with httpx.AsyncClient(timeout=1800) as client:
+            gate = asyncio.Semaphore(8)
 
-    r = asyncio.run(go())
-    if not r.ok:
-        raise RuntimeError(f"kvserve request failed: {r.error}")
-    return (r.output_tokens - 1) / (r.e2e - r.ttft)
+            async def warm(p):  # the history, sent once: what a chat's earlier turns leave behind
+                async with gate:
+                    r = await client.post(url + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": p, "max_tokens": 1})
+                    r.raise_for_status()
+                    return r.json()["usage"]["prompt_tokens"]
+            return await asyncio.gather(*(warm(p) for p in prompts))
+    lengths = asyncio.run(go())
+    requests = [(p, args.long_output) for p in prompts]
+    report = asyncio.run(run_level(url, DEFAULT_MODEL, requests, args.long_users, None, 0))
+    return {"long": {"history_tokens": round(statistics.fmean(lengths)), "output_tok_s": report["output_tok_s"],
+                     "itl_p50_ms": report["itl_ms"].get("p50"), "itl_p99_ms": report["itl_ms"].get("p99"),
+                     "failed": report["failed"]}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--tokens", type=int, default=128)
+RUNNERS = {"streams": streams, "prefill": prefill, "multiturn": multi, "long": long}
+
+
+def medians(runs: list[dict]) -> dict:
+    """{load: {figure: median over rounds}} of one server's runs."""
+    out: dict = {}
+    for run in runs:
+        for load, figures in run.items():
+            for key, value in figures.items():
+                if isinstance(value, (int, float)) and value is not None:
+                    out.setdefault(load, {}).setdefault(key, []).append(value)
+    return {load: {k: round(statistics.median(v), 2) for k, v in figs.items()} for load, figs in out.items()}
+
+
+def ratios(kv: dict, ls: dict) -> dict:
+    """kvserve / llama-server for rates (higher is better); llama-server / kvserve for latencies."""
+    out = {}
+    for load, figs in kv.items():
+        for key, value in figs.items():
+            other = ls.get(load, {}).get(key)
+            if not other or not value or key in ("failed", "prompt_tokens", "history_tokens"):
+                continue
+            out[f"{load}.{key}"] = round(other / value if key.endswith("_ms") else value / other, 2)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", action="store_true", help="against llama-server, built here once (the only mode)")
+    ap.add_argument("--llama-server", default=None, help="a llama-server binary to use instead of building one")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--loads", default=",".join(LOADS))
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--users", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--prefill-tokens", type=int, default=1000)
+    ap.add_argument("--long-users", type=int, default=32)
+    ap.add_argument("--history-tokens", type=int, default=2000)
+    ap.add_argument("--long-output", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--serve-args", default="", help="extra arguments for the launched kvserve")
     args = ap.parse_args()
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        print(json.dumps({"error": "llama-cpp-python is not installed: pip install llama-cpp-python==0.3.36"}))
-        raise SystemExit(2)
+    loads = [load for load in args.loads.split(",") if load]
+    if unknown := set(loads) - set(LOADS):
+        ap.error(f"unknown loads {sorted(unknown)}; choose from {','.join(LOADS)}")
     gguf = fetch(DEFAULT_MODEL, quiet=True)
-    llm = Llama(model_path=str(gguf), n_threads=args.threads, n_ctx=1024, verbose=False)
-    prompt_tokens = llm.tokenize(PROMPT.encode())
-    rates: dict[str, list[float]] = {"llama.cpp": [], "kvserve": []}
-    with launched_server(DEFAULT_MODEL, args.serve_args.split()) as url:
-        kvserve_round(url, 8)  # first request: route set-up, not decoding
-        llamacpp_round(llm, prompt_tokens, 8)
-        for _ in range(args.rounds):
-            rates["llama.cpp"].append(llamacpp_round(llm, prompt_tokens, args.tokens))
-            rates["kvserve"].append(kvserve_round(url, args.tokens))
-    med = {k: statistics.median(v) for k, v in rates.items()}
-    print(json.dumps({
-        "model": DEFAULT_MODEL, "gguf": gguf.name, "machine": platform.processor() or platform.machine(),
-        "threads_llama_cpp": args.threads, "tokens": args.tokens,
-        "decode_tok_s": {k: [round(x, 1) for x in v] for k, v in rates.items()},
-        "median_tok_s": {k: round(v, 1) for k, v in med.items()},
-        "kvserve_over_llama_cpp": round(med["kvserve"] / med["llama.cpp"], 3),
-    }, indent=2))
+    binary = args.llama_server or build()
+    read = bandwidth.measure(threads=(args.threads,))[str(args.threads)]
+    runs: dict[str, list[dict]] = {"kvserve": [], "llama-server": []}
+    with contextlib.ExitStack() as stack:
+        urls = {"kvserve": stack.enter_context(launched_server(DEFAULT_MODEL, args.serve_args.split())),
+                "llama-server": stack.enter_context(llama_server(binary, gguf, threads=args.threads))}
+        for name, url in urls.items():  # first requests: route set-up and warm-up, not measured
+            httpx.post(url + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4}, timeout=300)
+        for rnd in range(args.rounds):
+            order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
+            results = {name: {} for name in urls}
+            for load in loads:
+                for name in order:
+                    results[name].update(RUNNERS[load](urls[name], args, rnd))
+                    print(json.dumps({"round": rnd, "server": name, "load": load}), file=sys.stderr, flush=True)
+            for name in urls:
+                runs[name].append(results[name])
+    med = {name: medians(r) for name, r in runs.items()}
+    report = {"model": DEFAULT_MODEL, "gguf": gguf.name, "machine": platform.processor() or platform.machine(),
+              "threads": args.threads, "rounds": args.rounds, "read_gb_s": read, "runs": runs, "median": med,
+              "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
+    one = med["kvserve"].get("1_streams", {}).get("output_tok_s")
+    if one:  # a token reads every weight once: the GGUF's bytes, the lm_head included
+        report["one_stream_fraction_of_bandwidth"] = round(gguf.stat().st_size * one / (read * 1e9), 3)
+    print(json.dumps(report, indent=2))
+    failed = sum(f.get("failed", 0) for r in runs.values() for run in r for f in run.values())
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,21 +11,30 @@ import time
 from server.local import free_port, wait_healthy
 
 
+def stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 @contextlib.contextmanager
-def launched_server(model: str, extra: list[str] | None = None, timeout: float = 600):
-    port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *(extra or [])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+def running(cmd: list[str], port: int, timeout: float, **popen):
+    """A server started with `cmd` on 127.0.0.1:`port`, once its /health answers -> its URL; stopped after."""
+    proc = subprocess.Popen(cmd, **popen)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, timeout, proc)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
+
+
+def launched_server(model: str, extra: list[str] | None = None, timeout: float = 600):
+    port = free_port()
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *(extra or [])]
+    return running(cmd, port, timeout, stdout=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
@@ -49,11 +58,7 @@ def launched_cluster(model: str, replicas: int, policy: str, cores_per_replica: 
                 break
         yield f"http://127.0.0.1:{port}", urls
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def add_target_args(ap: argparse.ArgumentParser) -> None:

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launch import launched_server  # noqa: E402
-from server.local import free_port, wait_healthy  # noqa: E402
+from llama_server import llama_server  # noqa: E402
 
 PASSAGE = ("The lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
            "climbed the narrow stairs, trimmed the wick and polished the great lens until it shone. Ships far out at "
@@ -97,20 +96,6 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
     decode = (tokens - 1) / (last - first) if first is not None and last > first and tokens > 1 else None
     return {"tokens": tokens, "ttft_s": (first or time.perf_counter()) - start, "decode_tok_s": decode,
             "wall_s": time.perf_counter() - start, "text": "".join(text)}
-
-
-@contextlib.contextmanager
-def llama_server(binary: str, gguf: str, extra: list[str]):
-    port = free_port()
-    cmd = [binary, "-m", gguf, "--port", str(port), "-np", "32", "-c", "98304", "-t", "2", "--cont-batching", "--jinja", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, 300, proc)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
 
 
 async def one_stream(targets: dict, rounds: int, max_tokens: int) -> dict:

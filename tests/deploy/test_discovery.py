@@ -53,6 +53,9 @@ def test_a_router_with_only_urls_routes_by_the_discovered_events(replicas, tmp_p
         hits = [metric(r.url, "kvserve:prefix_cache_hits_total") - h for r, h in zip(replicas, hits_before)]
         lookups = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
         assert 'vllm_router_kv_placement_lookups_total{result="hit"}' in lookups, (tmp_path / "router.log").read_text()[-3000:]
+        inputs = [line for line in lookups.splitlines() if line.startswith("vllm_router_kv_routing_inputs_total")]
+        # every prompt's ids came from the render routes: no fallback to /tokenize, no failure
+        assert inputs and all('result="render"' in line for line in inputs), inputs
         assert sorted(hits)[0] == 0 and sorted(hits)[1] >= 3 * 16 * 10  # every repeat went where the prompt's KV was
     finally:
         router.terminate()

@@ -27,7 +27,7 @@ from torch import nn
 
 from kvcache.native import NativeUnavailable, load_native
 
-from .block_quant import BLOCK, BYTES_PER_BLOCK, quantize_q4, quantize_q8
+from .block_quant import BLOCK, BYTES_PER_BLOCK, dequantize, quantize_q4, quantize_q8
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
@@ -128,6 +128,30 @@ class LinearBlocks(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+class EmbeddingBlocks(nn.Module):
+    """Drop-in for a tied nn.Embedding that reads its rows from the lm_head's Q8_0 blocks: the table is
+    held once. Used only where those blocks dequantize to the table exactly (a GGUF's Q8_0 token_embd)."""
+
+    def __init__(self, head: LinearBlocks) -> None:
+        super().__init__()
+        self.register_buffer("packed", head.packed)  # the head's own tensor, not a copy
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [1, n] int64 -> [1, n, dim] float32."""
+        rows = self.packed.index_select(0, tokens.reshape(-1))  # [n, K/32 * 34] uint8
+        return dequantize(rows, "q8").unsqueeze(0)
+
+
+def share_tied_table(model: nn.Module) -> None:
+    """A tied embedding whose lm_head became Q8_0 blocks holding it exactly reads those blocks instead of
+    keeping its float32 copy of the same weights."""
+    head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if not (isinstance(head, LinearBlocks) and head.fmt == "q8" and isinstance(table, nn.Embedding)):
+        return
+    if table.weight.dtype == torch.float32 and torch.equal(dequantize(head.packed, "q8"), table.weight.detach()):
+        model.embed_tokens = EmbeddingBlocks(head)
+
+
 def convert_linears(model: nn.Module, weights: str) -> nn.Module:
     """Swap every nn.Linear for the weight mode's module (a tied lm_head gets its own copy)."""
     if weights == "f32" and not model_kernels_available():
@@ -144,4 +168,6 @@ def convert_linears(model: nn.Module, weights: str) -> nn.Module:
             model.set_submodule(name, LinearF16(child))
         elif child.in_features % BLOCK == 0:  # rows must be whole blocks; others stay float32
             model.set_submodule(name, LinearBlocks(child, "q8" if name.split(".")[-1] == "lm_head" else "q4"))
+    if weights == "q4" and getattr(model.config, "tie_embeddings", False):
+        share_tied_table(model)
     return model

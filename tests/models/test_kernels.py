@@ -111,3 +111,28 @@ def test_kernels_are_built_with_openmp():
     for path in libraries:
         with open(path, "rb") as f:
             assert b"GOMP_parallel" in f.read(), f"{path} was built without -fopenmp"
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_tied_table_is_read_from_the_heads_blocks_only_when_they_hold_it_exactly(exact):
+    """The table at rest once: a tied embedding reads the lm_head's Q8_0 blocks when they dequantize to
+    it bit for bit (a GGUF's Q8_0 token_embd), and keeps its own float32 copy otherwise."""
+    from models.export import build_model
+    from models.quant import EmbeddingBlocks
+
+    torch.manual_seed(0)
+    config = ModelConfig(architecture="llama", n_layers=1, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=128,
+                         vocab_size=96, rope_theta=10000.0, tie_embeddings=True, max_context=64)
+    with torch.device("meta"):
+        from models.llama import Transformer
+        shapes = {k: v.shape for k, v in Transformer(config).state_dict().items() if k != "lm_head.weight"}
+    state = {k: torch.randn(s) for k, s in shapes.items()}
+    table = torch.randn(96, 64)
+    state["embed_tokens.weight"] = dequantize(quantize_q8(table), "q8") if exact else table
+    model = build_model(config, state, torch.float32, "q4")
+    assert isinstance(model.embed_tokens, EmbeddingBlocks) == exact
+    tokens = torch.tensor([[0, 5, 95, 5]])
+    rows = model.embed_tokens(tokens)
+    assert rows.shape == (1, 4, 64) and torch.equal(rows, state["embed_tokens.weight"][tokens])
+    if exact:
+        assert model.embed_tokens.packed is model.lm_head.packed  # one tensor, not a copy

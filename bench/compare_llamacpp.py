@@ -11,7 +11,8 @@ load taken in turns (the order reversed every round), in one window.
 - multiturn: bench/multiturn.py, 32 users x 6 turns, the history resent, no sessions (tok/s, TTFT);
 - long: 32 conversations with 2,000-token histories, each history sent once first (untimed), then all
   32 decode 64 tokens together (output tok/s, ITL).
-The machine's read bandwidth is measured in the same run (bench/bandwidth.py): one stream's weight
+kvserve runs with `--speculative off` unless --speculative is given, so that both decode one token a
+step; bench/speculation.py measures what drafting adds. The machine's read bandwidth is measured in the same run (bench/bandwidth.py): one stream's weight
 bytes per token times its tok/s, over that, is the fraction of the memory bus it uses. Prints JSON:
 every run, the medians, and kvserve / llama-server for each figure.
 """
@@ -41,6 +42,13 @@ from models import DEFAULT_MODEL  # noqa: E402
 from models.catalog import fetch  # noqa: E402
 
 LOADS = ("streams", "prefill", "multiturn", "long")
+
+
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def distinct_text(rng: random.Random, words: int) -> str:
@@ -79,7 +87,7 @@ def multi(url: str, args, rnd: int) -> dict:
 
 def long(url: str, args, rnd: int) -> dict:
     rng = random.Random(f"{args.seed}-{rnd}-long-{url}")
-    prompts = [distinct_text(rng, int(args.history_tokens * 0.75)) for _ in range(args.long_users)]
+    prompts = [distinct_text(rng, args.history_tokens) for _ in range(args.long_users)]  # a word is a token here
 
     async def go():
         async with httpx.AsyncClient(timeout=1800) as client:
@@ -139,6 +147,8 @@ def main() -> int:
     ap.add_argument("--history-tokens", type=int, default=2000)
     ap.add_argument("--long-output", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speculative", action="store_true",
+                    help="kvserve drafts as it does by default; without it, both servers decode one token a step")
     ap.add_argument("--serve-args", default="", help="extra arguments for the launched kvserve")
     args = ap.parse_args()
     loads = [load for load in args.loads.split(",") if load]
@@ -149,7 +159,8 @@ def main() -> int:
     read = bandwidth.measure(threads=(args.threads,))[str(args.threads)]
     runs: dict[str, list[dict]] = {"kvserve": [], "llama-server": []}
     with contextlib.ExitStack() as stack:
-        urls = {"kvserve": stack.enter_context(launched_server(DEFAULT_MODEL, args.serve_args.split())),
+        serve_args = args.serve_args.split() + ([] if args.speculative else ["--speculative", "off"])
+        urls = {"kvserve": stack.enter_context(launched_server(DEFAULT_MODEL, serve_args)),
                 "llama-server": stack.enter_context(llama_server(binary, gguf, threads=args.threads))}
         for name, url in urls.items():  # first requests: route set-up and warm-up, not measured
             httpx.post(url + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4}, timeout=300)
@@ -163,8 +174,8 @@ def main() -> int:
             for name in urls:
                 runs[name].append(results[name])
     med = {name: medians(r) for name, r in runs.items()}
-    report = {"model": DEFAULT_MODEL, "gguf": gguf.name, "machine": platform.processor() or platform.machine(),
-              "threads": args.threads, "rounds": args.rounds, "read_gb_s": read, "runs": runs, "median": med,
+    report = {"model": DEFAULT_MODEL, "gguf": gguf.name, "machine": cpu_name(), "threads": args.threads,
+              "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": read, "runs": runs, "median": med,
               "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
     one = med["kvserve"].get("1_streams", {}).get("output_tok_s")
     if one:  # a token reads every weight once: the GGUF's bytes, the lm_head included

@@ -5,7 +5,7 @@ run on a free local port.
     python bench/llama_server.py        # build it if it is not cached yet; print its path
 
 The build takes about ten minutes on 2 cores; later calls find the binary in
-$KVSERVE_CACHE/llama-server/<version>/.
+$KVSERVE_CACHE/llama-server/<version>/build/bin/.
 """
 from __future__ import annotations
 
@@ -30,30 +30,35 @@ SERVE_FLAGS = ["-np", "32", "-c", "98304", "--cont-batching", "--jinja"]
 
 
 def binary_path() -> Path:
-    return cache_dir() / "llama-server" / VERSION / "llama-server"
+    return cache_dir() / "llama-server" / VERSION / "build" / "bin" / "llama-server"
 
 
 def build(quiet: bool = False) -> Path:
-    """The cached llama-server, built first if it is not there (pip download, cmake, one target)."""
+    """The cached llama-server, built first if it is not there (pip download, cmake, one target). It is
+    built where it stays: the binary finds the ggml libraries beside it in the build tree."""
     target = binary_path()
     if target.is_file():
         return target
     out = subprocess.DEVNULL if quiet else sys.stderr
+    root = target.parents[2]
+    shutil.rmtree(root, ignore_errors=True)  # a build that stopped half-way
+    root.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="kvserve-llama-") as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         f"llama-cpp-python=={VERSION}", "-d", tmp], check=True, stdout=out, stderr=out)
         (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
         with tarfile.open(sdist) as tar:
             tar.extractall(tmp, filter="data")
-        source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-        build_dir = source / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=out, stderr=out)
-        subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
-                       check=True, stdout=out, stderr=out)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(build_dir / "bin" / "llama-server", target.with_suffix(".tmp"))
-        target.with_suffix(".tmp").rename(target)
+        shutil.move(str(next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))), root / "llama.cpp")
+    build_dir = root / "build"
+    # -march=native, but no AMX: where the CPU has it and the kernel does not grant its tiles to the
+    # process (virtual machines), ggml's AMX path dies at start with SIGILL or SIGSEGV
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    subprocess.run(["cmake", "-S", str(root / "llama.cpp"), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"],
+                   check=True, stdout=out, stderr=out)
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+                   check=True, stdout=out, stderr=out)
     return target
 
 

@@ -8,6 +8,8 @@
          multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
          (int16 activations): below 4 rows straight off the blocks, from 4 rows on as a GEMM on
          the same weights unpacked, when the model is built or loaded, into panels of one byte a weight
+         A tied embedding table then reads its rows from the lm_head's blocks (EmbeddingBlocks) when they
+         hold it exactly, as a GGUF's Q8_0 token_embd does, so the table is not held twice.
 Everything a weight mode derives from a weight (fbgemm's packing, the panels) is held by the model,
 so it is freed with the model: two engines in one process each hold their own.
 Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and

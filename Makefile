@@ -49,12 +49,16 @@ system-deps:
 TEST_WORKERS ?= 2
 PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
+# tests marked timing compare latencies, so they run after the rest, alone: the other worker's load
+# would be in their figures
 test: $(STAMP_TEST) system-deps
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not timing" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m timing $(PYTEST_ARGS)
 
 # the same suite without the long drills (marked slow), for a quick loop while working
 test-fast: $(STAMP_TEST) system-deps
-	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow and not timing" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "timing and not slow" $(PYTEST_ARGS)
 
 serve: $(STAMP_RUN)
 	$(BIN)/kvserve fetch --model $(MODEL)

@@ -170,6 +170,6 @@ def convert_linears(model: nn.Module, weights: str) -> nn.Module:
             model.set_submodule(name, LinearF16(child))
         elif child.in_features % BLOCK == 0:  # rows must be whole blocks; others stay float32
             model.set_submodule(name, LinearBlocks(child, "q8" if name.split(".")[-1] == "lm_head" else "q4"))
-    if weights == "q4" and getattr(model.config, "tie_embeddings", False):
+    if weights == "q4" and getattr(getattr(model, "config", None), "tie_embeddings", False):
         share_tied_table(model)
     return model

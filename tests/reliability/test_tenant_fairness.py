@@ -65,6 +65,7 @@ def ttft(client, url, prompt):
     return first
 
 
+@pytest.mark.timing
 def test_a_burst_of_200_does_not_starve_a_tenant_of_10(tmp_path):
     proc, url = serve("--max-running", "4", "--max-queued", "32", "--max-running-per-key", "2",
                       "--max-queued-per-key", "4")

@@ -96,6 +96,7 @@ def test_a_burst_of_200_does_not_starve_a_tenant_of_10(tmp_path):
         proc.wait()
 
 
+@pytest.mark.timing
 def test_tokens_are_shared_evenly_between_long_and_short_prompts(tmp_path):
     proc, url = serve("--max-running", "2", "--max-queued", "32", "--max-running-per-key", "2",
                       "--max-queued-per-key", "16")
@@ -122,6 +123,7 @@ def test_tokens_are_shared_evenly_between_long_and_short_prompts(tmp_path):
         proc.wait()
     a, b = served["a"], served["b"]
     # first come, first served would give a about ten times b's tokens: each of its requests is that much
-    # longer. B needs ten requests to A's one, so on a loaded machine (CI runs another test beside this one)
-    # this process's own client is slower to send B's next: with a core kept busy, B got 0.78 of A
+    # longer. B needs ten requests to A's one, so on a loaded machine this process's own client is slower
+    # to send B's next: with a core kept busy, B got 0.78 of A, and 0.59 beside the other xdist worker's
+    # heavy tests, hence the timing mark (run alone, after the suite)
     assert a > 2000 and abs(a - b) <= 0.3 * max(a, b), served

@@ -8,15 +8,7 @@ import subprocess
 import sys
 import time
 
-from server.local import free_port, wait_healthy
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+from server.local import free_port, stop, wait_healthy
 
 
 @contextlib.contextmanager
@@ -28,7 +20,7 @@ def running(cmd: list[str], port: int, timeout: float, **popen):
         wait_healthy(url, timeout, proc)
         yield url
     finally:
-        stop(proc)
+        stop([proc], timeout=120)
 
 
 def launched_server(model: str, extra: list[str] | None = None, timeout: float = 600):
@@ -58,7 +50,7 @@ def launched_cluster(model: str, replicas: int, policy: str, cores_per_replica: 
                 break
         yield f"http://127.0.0.1:{port}", urls
     finally:
-        stop(proc)
+        stop([proc], timeout=120)
 
 
 def add_target_args(ap: argparse.ArgumentParser) -> None:

@@ -248,7 +248,8 @@ class DiskTier(SessionRecords):
 
     def _forget(self, digest: bytes) -> None:
         with self._lock:
-            if self._on_disk.pop(digest, False) is None:
+            if digest in self._on_disk:
+                del self._on_disk[digest]
                 self._note("removed", digest)
 
     def _note(self, *event) -> None:

@@ -20,10 +20,11 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcache.block_pool import DEFAULT_BLOCK_SIZE
 from models.catalog import NAMED_MODELS, fetch
 
 from .cluster_front import start_nginx
-from .local import free_port, wait_healthy
+from .local import free_port, stop, wait_healthy
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin", "consistent_hash", "power_of_two", "random")
 SESSION_TTL_S = 3600  # the router keeps a session on its replica until it has been idle this long
@@ -55,7 +56,7 @@ def router_command(binary: str, host: str, port: int, replicas: list[Replica], p
         for r in replicas:
             cmd += ["--kv-event-source", f"{r.url}={r.events}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
         # a replica's blocks are in RAM, the memory it computes from: the router's host tier, credited in full
-        cmd += ["--kv-event-block-size", "16", "--kv-event-model", model, "--kv-penalty-host", "1.0",
+        cmd += ["--kv-event-block-size", str(DEFAULT_BLOCK_SIZE), "--kv-event-model", model, "--kv-penalty-host", "1.0",
                 "--kv-aware-session-affinity-ttl-secs", str(SESSION_TTL_S)]
     return cmd
 
@@ -71,17 +72,6 @@ def start(n: int, per: int | None, serve_args: list[str], model: str) -> tuple[l
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c)))
         replicas.append(r)
     return replicas, procs
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def router_binary() -> str:

@@ -1,4 +1,4 @@
-"""Running a server on this machine: a free loopback port, and waiting until it answers /health."""
+"""Running a server on this machine: a free loopback port, waiting until it answers /health, stopping it."""
 from __future__ import annotations
 
 import socket
@@ -27,3 +27,15 @@ def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None
             pass
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not become healthy within {timeout:.0f}s")
+
+
+def stop(procs: list[subprocess.Popen], timeout: float = 60) -> None:
+    """SIGTERM to each, then a kill for any still running after `timeout` s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()

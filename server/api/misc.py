@@ -54,8 +54,8 @@ async def render_chat(body: ChatCompletionRequest, http: HttpRequest) -> dict:
 async def render_completions(body: CompletionRequest, http: HttpRequest) -> list[dict]:
     """Each prompt's ids, as the completions route encodes them."""
     generation.check_model(http, body.model)
-    tok = generation.engine_of(http).tokenizer
-    return [{"token_ids": tok.encode(p) if isinstance(p, str) else p} for p in openai.prompts_of(body.prompt)]
+    ids = openai.prompt_ids(generation.engine_of(http).tokenizer, openai.prompts_of(body.prompt))
+    return [{"token_ids": one} for one in ids]
 
 
 @router.post("/detokenize")

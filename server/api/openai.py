@@ -198,11 +198,16 @@ def prompts_of(prompt: str | list) -> list[str | list[int]]:
     return prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
 
 
+def prompt_ids(tok, prompts: list[str | list[int]]) -> list[list[int]]:
+    """The ids each completion prompt runs on: a string encoded, an id list as sent."""
+    return [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: HttpRequest):
     tok = generation.engine_of(http).tokenizer
     prompts = prompts_of(body.prompt)
-    ids = [tok.encode(p) if isinstance(p, str) else p for p in prompts]
+    ids = prompt_ids(tok, prompts)
     scoring = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs too
     params = _params(http, body, body.max_tokens, body.logprobs)
     reqs = _start_prompts(http, body, ids, dataclasses.replace(params, prompt_logprobs=body.logprobs) if scoring else params)

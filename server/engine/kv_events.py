@@ -5,9 +5,9 @@ A message is three frames, [topic (empty), sequence number (8 bytes, big-endian,
 payload is msgpack [timestamp, events, data-parallel rank 0], and each event a map tagged by "type":
 BlockStored (the block hashes, the parent's, the blocks' token ids, the block size, the medium),
 BlockRemoved and AllBlocksCleared. The medium is "CPU" for the pool's blocks and "DISK" for the blocks
-this server wrote to the disk tier (--kv-disk), which the router credits less (--kv-penalty-disk). The hashes are the pool's own chained digests, as msgpack bin: the
-router keys its index on the token ids the events carry and chains blocks by these hashes, so it needs
-no hash function of kvserve's. The first batch clears whatever a router knew of this endpoint (a
+this server wrote to the disk tier (--kv-disk), which the router credits less (--kv-penalty-disk). The
+hashes are the pool's own chained digests, as msgpack bin: the router keys its index on the token ids the
+events carry and chains blocks by these hashes, so it needs no hash function of kvserve's. The first batch clears whatever a router knew of this endpoint (a
 restarted server starts empty); a router that missed a batch asks the replay socket for it.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import deque
 log = logging.getLogger("kvserve.kv_events")
 
 # The pool's blocks are in RAM, the memory kvserve computes from: vllm-router's host tier (kvserve
-# cluster credits it in full). The disk tier's must be read back first: its disk tier.
+# cluster credits it in full). The disk tier's must be read back before use: the router's disk tier.
 RAM, DISK = "CPU", "DISK"
 REPLAY_BATCHES = 4096  # batches the replay socket can still send to a router that missed them
 END_OF_REPLAY = b"\xff" * 8

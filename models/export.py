@@ -24,10 +24,10 @@ from .config import ModelConfig
 from .errors import ModelLoadError
 from .fused import use_native_modules
 from .llama import Transformer
-from .quant import PANELS, WEIGHT_MODES, convert_linears, model_kernels_available, pack_panels, panel_format
+from .quant import WEIGHT_MODES, convert_linears, model_kernels_available
 from .tokenizer import TextTokenizer
 
-ARTIFACT_FORMAT = 5  # 5: q4 weights' panels are made at load (4: SHA-256 of the program and the weights)
+ARTIFACT_FORMAT = 6  # 6: q4 weights stored as their panels, the only copy (5: panels made at load)
 # The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
 # Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
 # far longer than the forward it describes; fx's source is readable, and runs as it was exported.
@@ -141,13 +141,8 @@ def save_artifact(
     assert set(module.graph.python_code("self").globals) <= set(PROGRAM_GLOBALS), "the program names a global load cannot give it"
     (tmp / PROGRAM_FILE).write_text(module.code)
     # Each tensor once: a tied weight (the lm_head reading the embeddings) is stored once, and named again.
-    tensors, aliases, seen, panels = {}, {}, {}, {}
-    state = module.state_dict(keep_vars=True)
-    for attr, tensor in state.items():
-        if attr.endswith(PANELS):  # made again from its weight at load: not stored twice
-            source = attr.removesuffix(PANELS)
-            panels[attr] = (source, panel_format(state[source], tensor))
-            continue
+    tensors, aliases, seen = {}, {}, {}
+    for attr, tensor in module.state_dict(keep_vars=True).items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
         if key in seen:
             aliases[attr] = seen[key]
@@ -160,7 +155,7 @@ def save_artifact(
     specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
     hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
     meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
-            "aliases": aliases, "panels": panels, "sha256": hashes, **specs}
+            "aliases": aliases, "sha256": hashes, **specs}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():
         shutil.rmtree(folder)
@@ -173,7 +168,6 @@ def _program(folder: Path, meta: dict) -> torch.nn.Module:
     root = torch.nn.Module()
     tensors = load_file(str(folder / WEIGHTS_FILE))
     tensors.update({a: tensors[c] for a, c in meta["aliases"].items()})
-    tensors.update({a: pack_panels(tensors[source], fmt) for a, (source, fmt) in meta["panels"].items()})
     for attr, tensor in tensors.items():
         root.register_buffer(attr, tensor)
     root._in_spec, root._out_spec = pytree.treespec_loads(meta["in_spec"]), pytree.treespec_loads(meta["out_spec"])

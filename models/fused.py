@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .llama import Block, QKVRotary, RMSNorm, SwiGLU
-from .quant import PANELS, LinearBlocks
+from .quant import LinearBlocks
 
 
 class NativeRMSNorm(nn.Module):
@@ -55,7 +55,6 @@ class NativeBlock(nn.Module):
         self.qkv_bias = attn.qkv_proj.bias
         for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
             self.register_buffer(name, linear.packed)
-            self.register_buffer(name + PANELS, linear.packed_panels)
 
     @staticmethod
     def fits(block: Block) -> bool:
@@ -68,11 +67,11 @@ class NativeBlock(nn.Module):
 
     def forward(self, x, positions, cos, sin):
         q, k, v = torch.ops.kvserve_native.block_head(
-            x, self.input_norm, self.qkv, self.qkv_panels, self.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads, self.eps
+            x, self.input_norm, self.qkv, self.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads, self.eps
         )  # [1, H, n, D] each
         out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.head_dim**-0.5, x.dtype)
         return torch.ops.kvserve_native.block_tail(
-            x, out, self.o, self.o_panels, self.post_norm, self.gate_up, self.gate_up_panels, self.down, self.down_panels, self.eps
+            x, out, self.o, self.post_norm, self.gate_up, self.down, self.eps
         )
 
 

@@ -5,13 +5,13 @@
          AVX2 kernels do not build); the reference, parity-tested against transformers
     f16  float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
     q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
-         multiplied by the AVX2 kernels of kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8)
-         (int16 activations): below 4 rows straight off the blocks, from 4 rows on as a GEMM on
-         the same weights unpacked, when the model is built or loaded, into panels of one byte a weight
-         A tied embedding table then reads its rows from the lm_head's blocks (EmbeddingBlocks) when they
-         hold it exactly, as a GGUF's Q8_0 token_embd does, so the table is not held twice.
-Everything a weight mode derives from a weight (fbgemm's packing, the panels) is held by the model,
-so it is freed with the model: two engines in one process each hold their own.
+         held as panels of 8 features (block_quant.py) and multiplied by the AVX2 kernel of
+         kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8, int16 activations) at every row count.
+         The panels are the only copy of a weight. A tied embedding table then reads its rows from the
+         lm_head's blocks (EmbeddingBlocks) when they hold it exactly, as a GGUF's Q8_0 token_embd does,
+         so the table is not held twice either.
+Everything a weight mode derives from a weight (fbgemm's packing) is held by the model, so it is freed
+with the model: two engines in one process each hold their own.
 Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and
 Q8_0 weights requantize to the same blocks, so q4 on such a file loses nothing over f32. (A q8 mode
 was measured and dropped: requantizing Q4_1 weights to Q8_0 rounds them again, and it flipped 40% of
@@ -29,25 +29,11 @@ from torch import nn
 
 from kvcache.native import NativeUnavailable, load_native
 
-from .block_quant import BLOCK, BYTES_PER_BLOCK, dequantize, quantize_q4, quantize_q8
+from .block_quant import BLOCK, dequantize, dequantize_panels, panel_rows, quantize_q4, quantize_q8, to_panels
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
-_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "int_gemm.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp")]
-
-# A q4/q8 weight buffer X has its batched-path panels in the buffer X + PANELS. They are a function of
-# X, so an artifact stores X alone and loading makes the panels again.
-PANELS = "_panels"
-
-
-def pack_panels(packed: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Q4_1/Q8_0 rows [N, K/32 * block bytes] -> the panels kvserve_native::linear_q4/q8 multiply from 4 rows on."""
-    return getattr(torch.ops.kvserve_native, f"pack_panels_{fmt}")(packed)
-
-
-def panel_format(packed: torch.Tensor, panels: torch.Tensor) -> str:
-    """Which block format a weight with these panels holds (panels are [P, K/32, bytes])."""
-    return next(fmt for fmt, size in BYTES_PER_BLOCK.items() if packed.shape[1] == size * panels.shape[1])
+_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp")]
 
 
 def _packed(weight: torch.Tensor):
@@ -114,19 +100,22 @@ class LinearF32(nn.Module):
 
 
 class LinearBlocks(nn.Module):
-    """Drop-in for nn.Linear holding Q4_1 or Q8_0 blocks."""
+    """Drop-in for nn.Linear holding Q4_1 or Q8_0 blocks, as panels."""
 
     def __init__(self, linear: nn.Linear, fmt: str) -> None:
         super().__init__()
-        self.fmt = fmt
+        self.fmt, self.out_features = fmt, linear.out_features
         quantize = quantize_q4 if fmt == "q4" else quantize_q8
-        self.register_buffer("packed", quantize(linear.weight.detach()))  # [N, K/32 * block bytes] uint8
-        self.register_buffer("packed" + PANELS, pack_panels(self.packed, fmt))  # [P, K/32, panel block] uint8
+        self.register_buffer("packed", to_panels(quantize(linear.weight.detach()), fmt))  # [P, K/32, panel bytes] uint8
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+    def weight(self) -> torch.Tensor:
+        """The weight these blocks hold, [N, K] float32."""
+        return dequantize_panels(self.packed, self.fmt, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = torch.ops.kvserve_native.linear_q4 if self.fmt == "q4" else torch.ops.kvserve_native.linear_q8
-        out = op(x, self.packed, self.packed_panels)  # [..., N]
+        out = op(x, self.packed, self.out_features)  # [..., N]
         return out if self.bias is None else out + self.bias
 
 
@@ -140,7 +129,7 @@ class EmbeddingBlocks(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [1, n] int64 -> [1, n, dim] float32."""
-        rows = self.packed.index_select(0, tokens.reshape(-1))  # [n, K/32 * 34] uint8
+        rows = panel_rows(self.packed, "q8", tokens.reshape(-1))  # [n, K/32 * 34] uint8
         return dequantize(rows, "q8").unsqueeze(0)
 
 
@@ -150,7 +139,7 @@ def share_tied_table(model: nn.Module) -> None:
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     if not (isinstance(head, LinearBlocks) and head.fmt == "q8" and isinstance(table, nn.Embedding)):
         return
-    if table.weight.dtype == torch.float32 and torch.equal(dequantize(head.packed, "q8"), table.weight.detach()):
+    if table.weight.dtype == torch.float32 and torch.equal(head.weight(), table.weight.detach()):
         model.embed_tokens = EmbeddingBlocks(head)
 
 

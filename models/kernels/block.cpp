@@ -1,13 +1,12 @@
 // A q4 decoder block as two ops around its attention, so a layer dispatches three ops instead of ~13:
 // at batch 1 each dispatch from the exported graph costs as much as a small matmul.
 //
-// Op contracts (kvserve_native::*, float32, weights as linear_q4 takes them):
-// (each weight *_w comes with its panels *_p = pack_panels_q4(*_w)):
-//   block_head(x [1, n, C], norm_w [C], qkv_w, qkv_p, qkv_bias [(Hq + 2 Hkv) D] or None, cos [n, D],
+// Op contracts (kvserve_native::*, float32, weights as the panels linear_q4 takes; each one's row count
+// follows from the shapes: qkv (Hq + 2 Hkv) D, o and down C, gate_up twice down's K):
+//   block_head(x [1, n, C], norm_w [C], qkv_w, qkv_bias [(Hq + 2 Hkv) D] or None, cos [n, D],
 //              sin [n, D], Hq, Hkv, eps) -> q [1, Hq, n, D], k [1, Hkv, n, D], v [1, Hkv, n, D]
 //       rope_qkv(linear_q4(rms_norm(x)) + qkv_bias)
-//   block_tail(x [1, n, C], attn [1, Hq, n, Dv], o_w, o_p, norm_w [C], gate_up_w, gate_up_p, down_w, down_p,
-//              eps) -> [1, n, C]
+//   block_tail(x [1, n, C], attn [1, Hq, n, Dv], o_w, norm_w [C], gate_up_w, down_w, eps) -> [1, n, C]
 //       h = x + linear_q4(attn as [1, n, Hq Dv]); h + linear_q4(silu_mul(linear_q4(rms_norm(h))))
 // The parts are the registered ops of quant_matmul.cpp and fused.cpp, called through the dispatcher.
 #include <ATen/ATen.h>
@@ -26,9 +25,9 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
-Tensor linear_q4(const Tensor& x, const Tensor& w, const Tensor& panels) {
-  static const auto handle = op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("kvserve_native::linear_q4");
-  return handle.call(x, w, panels);
+Tensor linear_q4(const Tensor& x, const Tensor& w, int64_t n) {
+  static const auto handle = op<Tensor(const Tensor&, const Tensor&, int64_t)>("kvserve_native::linear_q4");
+  return handle.call(x, w, n);
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
@@ -36,49 +35,45 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
   return handle.call(x, w, eps);
 }
 
-QKV block_head(const Tensor& x, const Tensor& norm_w, const Tensor& qkv_w, const Tensor& qkv_p,
-               const std::optional<Tensor>& qkv_bias, const Tensor& cos, const Tensor& sin, int64_t Hq, int64_t Hkv,
+QKV block_head(const Tensor& x, const Tensor& norm_w, const Tensor& qkv_w, const std::optional<Tensor>& qkv_bias, const Tensor& cos, const Tensor& sin, int64_t Hq, int64_t Hkv,
                double eps) {
   static const auto rope = op<QKV(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)>("kvserve_native::rope_qkv");
-  Tensor qkv = linear_q4(rms_norm(x, norm_w, eps), qkv_w, qkv_p);  // [1, n, (Hq + 2 Hkv) D]
+  Tensor qkv = linear_q4(rms_norm(x, norm_w, eps), qkv_w, (Hq + 2 * Hkv) * cos.size(1));  // [1, n, (Hq + 2 Hkv) D]
   if (qkv_bias.has_value()) qkv.add_(*qkv_bias);
   return rope.call(qkv, cos, sin, Hq, Hkv);
 }
 
-Tensor block_tail(const Tensor& x, const Tensor& attn, const Tensor& o_w, const Tensor& o_p, const Tensor& norm_w,
-                  const Tensor& gate_up_w, const Tensor& gate_up_p, const Tensor& down_w, const Tensor& down_p,
-                  double eps) {
+Tensor block_tail(const Tensor& x, const Tensor& attn, const Tensor& o_w, const Tensor& norm_w, const Tensor& gate_up_w,
+                  const Tensor& down_w, double eps) {
   static const auto silu_mul = op<Tensor(const Tensor&)>("kvserve_native::silu_mul");
   TORCH_CHECK(x.dim() == 3 && attn.dim() == 4 && attn.size(2) == x.size(1), "x must be [1, n, C] and attn [1, H, n, Dv]");
-  const int64_t n = x.size(1);
+  const int64_t n = x.size(1), C = x.size(2), F = down_w.size(1) * 32;  // down's K: 32 weights a block
   const Tensor heads = attn.transpose(1, 2).reshape({1, n, attn.size(1) * attn.size(3)});  // [1, n, H * Dv]
-  Tensor h = linear_q4(heads, o_w, o_p);  // [1, n, C]
+  Tensor h = linear_q4(heads, o_w, C);  // [1, n, C]
   h.add_(x);
-  const Tensor gate_up = linear_q4(rms_norm(h, norm_w, eps), gate_up_w, gate_up_p);  // [1, n, 2 F]
-  Tensor out = linear_q4(silu_mul.call(gate_up), down_w, down_p);  // [1, n, C]
+  const Tensor gate_up = linear_q4(rms_norm(h, norm_w, eps), gate_up_w, 2 * F);  // [1, n, 2 F]
+  Tensor out = linear_q4(silu_mul.call(gate_up), down_w, C);  // [1, n, C]
   return out.add_(h);
 }
 
 // Shapes only, for tracing and export (symbolic token counts).
-QKV block_head_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&,
+QKV block_head_meta(const Tensor& x, const Tensor&, const Tensor&, const std::optional<Tensor>&,
                     const Tensor& cos, const Tensor&, int64_t Hq, int64_t Hkv, double) {
   const c10::SymInt n = x.sym_size(1), D = cos.sym_size(1);
   return {at::empty_symint({1, Hq, n, D}, x.options()), at::empty_symint({1, Hkv, n, D}, x.options()),
           at::empty_symint({1, Hkv, n, D}, x.options())};
 }
 
-Tensor block_tail_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                       const Tensor&, const Tensor&, const Tensor&, double) {
+Tensor block_tail_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double) {
   return at::empty_like(x);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_native, m) {
-  m.def("block_head(Tensor x, Tensor norm_w, Tensor qkv_w, Tensor qkv_p, Tensor? qkv_bias, Tensor cos, Tensor sin, "
-        "int n_heads, int n_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("block_tail(Tensor x, Tensor attn, Tensor o_w, Tensor o_p, Tensor norm_w, Tensor gate_up_w, Tensor gate_up_p, "
-        "Tensor down_w, Tensor down_p, float eps) -> Tensor");
+  m.def("block_head(Tensor x, Tensor norm_w, Tensor qkv_w, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_heads, "
+        "int n_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
+  m.def("block_tail(Tensor x, Tensor attn, Tensor o_w, Tensor norm_w, Tensor gate_up_w, Tensor down_w, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from models.block_quant import dequantize, quantize_q4, quantize_q8
+from models.block_quant import dequantize, panel_rows, quantize_q4, quantize_q8, to_panels
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models.config import ModelConfig
 from models.fused import NativeBlock, NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
@@ -21,13 +21,25 @@ def test_block_formats_requantize_losslessly(fmt, quantize):
     assert torch.equal(dequantize(quantize(values), fmt), values)
 
 
+@pytest.mark.parametrize("fmt,quantize", [("q4", quantize_q4), ("q8", quantize_q8)])
+@pytest.mark.parametrize("rows", [16, 203])  # 203: the last panel, and the last group of two, padded
+def test_panels_hold_the_rows_blocks_and_nothing_more(fmt, quantize, rows):
+    torch.manual_seed(rows)
+    packed = quantize(torch.randn(rows, 96))
+    panels = to_panels(packed, fmt)
+    assert panels.numel() == -(-rows // 16) * 16 * packed.shape[1]  # the same bytes a row, rows padded to 16
+    assert torch.equal(panel_rows(panels, fmt, torch.arange(rows)), packed)
+    picked = torch.tensor([202 % rows, 0, 7, 8, 7])
+    assert torch.equal(panel_rows(panels, fmt, picked), packed[picked])
+
+
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40, 131])  # dot products below 4 rows, the GEMM's tiles and row chunks from 4
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40, 131])  # tiles of 1 to 3 rows; from 16, unpacked; chunks of 128
 def test_block_linear_matches_its_dequantized_weights(fmt, rows):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(576, 200, bias=True)  # 200 features: the GEMM's last tile is padded
     fast = LinearBlocks(linear, fmt)
-    weight = dequantize(fast.packed, fmt)
+    weight = fast.weight()
     x = torch.randn(1, rows, 576)
     with torch.no_grad():
         want = x @ weight.T + linear.bias
@@ -39,8 +51,8 @@ def test_block_linear_matches_its_dequantized_weights(fmt, rows):
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("features", [584, 203])  # 203: a last group of 8 and a last GEMM tile both partial
 def test_block_linear_rows_do_not_depend_on_the_batch(fmt, features):
-    """A row gives bitwise what it gives alone (the dot products) in a batch of 2 or 3 (the same, wider) or
-    of 4 and 40 (the GEMM): greedy decoding must not change with the number of streams."""
+    """A row gives bitwise what it gives alone in a batch of 2 or 3 (a wider tile) or of 4 and 40 (several
+    tiles): greedy decoding must not change with the number of streams."""
     torch.manual_seed(1)
     fast = LinearBlocks(torch.nn.Linear(1536, features, bias=False), fmt)
     x = torch.randn(40, 1536) * torch.linspace(0.01, 30, 1536)  # wide per-block ranges, as real activations have
@@ -52,9 +64,13 @@ def test_block_linear_rows_do_not_depend_on_the_batch(fmt, features):
 
 
 def test_block_linear_rejects_mismatched_weights():
-    w = quantize_q4(torch.randn(8, 64))
-    with pytest.raises(RuntimeError, match="bytes per row"):
-        torch.ops.kvserve_native.linear_q4(torch.randn(2, 96), w, torch.ops.kvserve_native.pack_panels_q4(w))
+    w = to_panels(quantize_q4(torch.randn(8, 64)), "q4")
+    with pytest.raises(RuntimeError, match="must be the panels of a 8-row weight for K=96"):
+        torch.ops.kvserve_native.linear_q4(torch.randn(2, 96), w, 8)
+    with pytest.raises(RuntimeError, match="must be the panels of a 40-row weight"):
+        torch.ops.kvserve_native.linear_q4(torch.randn(2, 64), w, 40)
+    with pytest.raises(RuntimeError, match="whole number of blocks"):
+        torch.ops.kvserve_native.linear_q4(torch.randn(2, 70), w, 8)
 
 
 def test_fused_modules_match_the_model_math():
@@ -74,7 +90,7 @@ def test_fused_modules_match_the_model_math():
 
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 6])  # the dot products, then the GEMM
+@pytest.mark.parametrize("rows", [1, 6])  # one tile, then two
 def test_native_block_matches_the_block_it_replaces(qkv_bias, rows):
     torch.manual_seed(rows)
     config = ModelConfig(architecture="llama", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
@@ -136,3 +152,19 @@ def test_a_tied_table_is_read_from_the_heads_blocks_only_when_they_hold_it_exact
     assert rows.shape == (1, 4, 64) and torch.equal(rows, state["embed_tokens.weight"][tokens])
     if exact:
         assert model.embed_tokens.packed is model.lm_head.packed  # one tensor, not a copy
+
+
+def test_a_q4_model_holds_each_weight_once():
+    """No second copy at rest: the program's integer buffers are the blocks' bytes, as panels, and no more."""
+    from models.export import build_model
+    from models.llama import Transformer
+
+    config = ModelConfig(architecture="llama", n_layers=2, dim=64, n_heads=2, n_kv_heads=1, head_dim=32, ffn_dim=128,
+                         vocab_size=100, rope_theta=10000.0, max_context=64)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Transformer(config).state_dict().items()}
+    model = build_model(config, {k: torch.randn(s) for k, s in shapes.items()}, torch.float32, "q4")
+    layer = [(128, 64), (64, 64), (256, 64), (64, 128)]  # qkv, o, gate_up, down: [N, K], Q4_1's 20 bytes a block
+    blocks = 2 * sum(-(-n // 16) * 16 * k // 32 * 20 for n, k in layer) + 112 * 64 // 32 * 34  # lm_head: Q8_0, 100 rows padded
+    held = sum(t.numel() for t in model.buffers() if t.dtype == torch.uint8)
+    assert held == blocks

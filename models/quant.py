@@ -29,7 +29,7 @@ from torch import nn
 
 from kvcache.native import NativeUnavailable, load_native
 
-from .block_quant import BLOCK, dequantize, dequantize_panels, panel_rows, quantize_q4, quantize_q8, to_panels
+from .block_quant import BLOCK, dequantize_panels, quantize_q4, quantize_q8, to_panels
 from .errors import ModelLoadError
 
 WEIGHT_MODES = ("f32", "f16", "q4")
@@ -129,8 +129,7 @@ class EmbeddingBlocks(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [1, n] int64 -> [1, n, dim] float32."""
-        rows = panel_rows(self.packed, "q8", tokens.reshape(-1))  # [n, K/32 * 34] uint8
-        return dequantize(rows, "q8").unsqueeze(0)
+        return torch.ops.kvserve_native.rows_q8(self.packed, tokens.reshape(-1)).unsqueeze(0)
 
 
 def share_tied_table(model: nn.Module) -> None:

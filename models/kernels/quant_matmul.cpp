@@ -6,6 +6,8 @@
 //       w is the n-row weight as panels (models/block_quant.py, to_panels): panel p holds rows 8p..8p+7,
 //       and its block b their block b of 32 weights, the quants by pairs of k, feature beside feature,
 //       then 8 fp16 scales d (then 8 fp16 mins m); w = d*q (+ m). P = n/8 rounded up to an even count.
+//   rows_q8(w [P, K/32, 272] u8, index [R] i64) -> [R, K] f32: rows `index` of that weight, dequantized
+//       (a tied embedding's lookup), each weight d*q exactly as torch computes it
 // Why this layout: vpmaddwd does 16 multiply-adds an instruction, two a cycle on Zen 3, and one extending
 // load of a panel gives two k of its 8 features as int16, which a broadcast pair of activations multiplies
 // whole. The panels hold the same bytes per weight as the row blocks, so one copy serves both loads: at
@@ -257,6 +259,33 @@ at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& w, int64_t N)
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) { return linear_panels<Q4Panel>(x, w, n); }
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t n) { return linear_panels<Q8Panel>(x, w, n); }
 
+at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& index_in) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == Q8Panel::bytes,
+              "w must be Q8_0 panels [P, K/32, ", Q8Panel::bytes, "] uint8, got ", w.sizes());
+  const at::Tensor index = index_in.to(at::kLong).contiguous();
+  const int64_t R = index.numel(), nb = w.size(1), rows = w.size(0) * PANEL;
+  at::Tensor out = at::empty({R, nb * QK}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* ip = index.data_ptr<int64_t>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "row ", ip[r], " is out of range for ", rows, " rows");
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t f = ip[r] % PANEL;
+      const uint8_t* panel = wp + (ip[r] / PANEL) * nb * Q8Panel::bytes;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = panel + b * Q8Panel::bytes;
+        uint16_t h;
+        std::memcpy(&h, block + Q8Panel::quants + 2 * f, 2);
+        const float d = _cvtsh_ss(h);
+        float* o = op + r * nb * QK + b * QK;
+        for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(static_cast<int8_t>(block[(k / 2) * 2 * PANEL + 2 * f + (k & 1)]));
+      }
+    }
+  });
+  return out;
+}
+
 // Shapes only, for tracing and export (symbolic M).
 at::Tensor linear_meta(const at::Tensor& x, const at::Tensor&, int64_t n) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
@@ -264,19 +293,26 @@ at::Tensor linear_meta(const at::Tensor& x, const at::Tensor&, int64_t n) {
   return at::empty_symint(shape, x.options().dtype(at::kFloat));
 }
 
+at::Tensor rows_q8_meta(const at::Tensor& w, const at::Tensor& index) {
+  return at::empty_symint({index.sym_numel(), w.sym_size(1) * QK}, w.options().dtype(at::kFloat));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvserve_native, m) {
   m.def("linear_q4(Tensor x, Tensor w, int n) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor w, int n) -> Tensor");
+  m.def("rows_q8(Tensor w, Tensor index) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
   m.impl("linear_q4", &linear_q4);
   m.impl("linear_q8", &linear_q8);
+  m.impl("rows_q8", &rows_q8);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) {
   m.impl("linear_q4", &linear_meta);
   m.impl("linear_q8", &linear_meta);
+  m.impl("rows_q8", &rows_q8_meta);
 }

@@ -146,63 +146,33 @@ inline void unpack_q4(const uint8_t* q, int64_t nb, uint8_t* to) {
   }
 }
 
-// out[r][0..8 * GROUP) for R activation rows by the GROUP panels from q (each nb blocks): per block, R x
-// GROUP int32 sums over its 16 k pairs, then acc += float(sum) * (d_w * d_x) (+ m_w * s_x). `ahead`, if
-// not null, is prefetched over the blocks: the weight this thread reads next, when the tile is its one
-// pass over these panels.
-template <class F, int R>
-inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
-                 float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
-  constexpr int C = GROUP;
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int64_t next = nb * F::bytes;  // from one panel to the next
-  for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr)
-      for (int64_t at = b * C * F::bytes; at < (b + 1) * C * F::bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
-    __m256i sum[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) sum[r][c] = _mm256_setzero_si256();
-    const uint8_t* qb = q + b * F::bytes;
-    const int32_t* xb[R];  // each row's block as k pairs
-    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * QK);
-#pragma GCC unroll 2
-    for (int64_t j = 0; j < QK / 4; ++j) {
-      __m256i lo[C], hi[C];
-      for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
-        for (int c = 0; c < C; ++c)
-          sum[r][c] = _mm256_add_epi32(sum[r][c], _mm256_add_epi32(_mm256_madd_epi16(lo[c], x0), _mm256_madd_epi16(hi[c], x1)));
-      }
-    }
-    __m256 dw[C], mw[C];
-    for (int c = 0; c < C; ++c) {
-      dw[c] = F::scales(qb + c * next);
-      mw[c] = F::mins(qb + c * next);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(xd[r * (K / QK) + b]), sx = _mm256_set1_ps(xs[r * (K / QK) + b]);
-      for (int c = 0; c < C; ++c) {
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][c]), _mm256_mul_ps(dw[c], dx), acc[r][c]);
-        if (F::has_min) acc[r][c] = _mm256_fmadd_ps(mw[c], sx, acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float row[C * PANEL];
-    float* to = width == C * PANEL ? out + r * ldo : row;  // the weight's last, padded features go through row
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(to + c * PANEL, acc[r][c]);
-    if (to == row) std::memcpy(out + r * ldo, row, width * sizeof(float));
-  }
-}
-
 using TileFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t,
                         int64_t, const uint8_t*);
 
-template <class F>
-constexpr TileFn tiles[ROWS] = {tile<F, 1>, tile<F, 2>, tile<F, 3>};
+namespace avx2 {
+#define KVSERVE_DOT2(sum, lo, x0, hi, x1) \
+  _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)))
+#include "panel_tile.h"
+#undef KVSERVE_DOT2
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni,avx512vl")
+namespace vnni {
+#define KVSERVE_DOT2(sum, lo, x0, hi, x1) _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(sum, lo, x0), hi, x1)
+#include "panel_tile.h"
+#undef KVSERVE_DOT2
+}  // namespace vnni
+#pragma GCC pop_options
+
+// A fact of the CPU, read once: which of the two tiles runs.
+bool has_vnni() {
+  static const bool vnni = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  }();
+  return vnni;
+}
 
 int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL) * GROUP; }
 
@@ -210,6 +180,8 @@ int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL
 template <class F>
 void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
   const int64_t nb = K / QK, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * nb * F::bytes;
+  const TileFn* packed_tiles = has_vnni() ? vnni::tiles<F> : avx2::tiles<F>;
+  const TileFn* unpacked_tiles = has_vnni() ? vnni::tiles<Q4Bytes> : avx2::tiles<Q4Bytes>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
@@ -230,8 +202,8 @@ void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const
           const int16_t* xq = x.q + r * K;
           const float *xd = x.d + r * nb, *xs = x.s + r * nb;
           float* o = out + r * N + col;
-          if (unpack) tiles<Q4Bytes>[rows - 1](unpacked.data(), nb, xq, xd, xs, K, o, N, width, nullptr);
-          else tiles<F>[rows - 1](q, nb, xq, xd, xs, K, o, N, width, ahead);
+          if (unpack) unpacked_tiles[rows - 1](unpacked.data(), nb, xq, xd, xs, K, o, N, width, nullptr);
+          else packed_tiles[rows - 1](q, nb, xq, xd, xs, K, o, N, width, ahead);
         }
       }
     }

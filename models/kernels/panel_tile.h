@@ -1,0 +1,64 @@
+// The panel tile of quant_matmul.cpp, included there twice: for AVX2, and for CPUs with AVX512-VNNI,
+// where one vpdpwssd does a multiply-add and its accumulation (KVSERVE_DOT2 says which). The integer sums
+// are exact either way, so both give bitwise the same outputs. The includer defines the formats, GROUP,
+// PANEL, QK and TileFn, and wraps this in a namespace of its own.
+
+// KVSERVE_DOT2(sum, lo, x0, hi, x1): sum + lo . x0 + hi . x1, in int32 lanes.
+#ifndef KVSERVE_DOT2
+#error "define KVSERVE_DOT2 before including panel_tile.h"
+#endif
+
+// out[r][0..8 * GROUP) for R activation rows by the GROUP panels from q (each nb blocks): per block, R x
+// GROUP int32 sums over its 16 k pairs, then acc += float(sum) * (d_w * d_x) (+ m_w * s_x). `ahead`, if
+// not null, is prefetched over the blocks: the weight this thread reads next, when the tile is its one
+// pass over these panels.
+template <class F, int R>
+inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                 float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
+  constexpr int C = GROUP;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  const int64_t next = nb * F::bytes;  // from one panel to the next
+  for (int64_t b = 0; b < nb; ++b) {
+    if (ahead != nullptr)
+      for (int64_t at = b * C * F::bytes; at < (b + 1) * C * F::bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+    __m256i sum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sum[r][c] = _mm256_setzero_si256();
+    const uint8_t* qb = q + b * F::bytes;
+    const int32_t* xb[R];  // each row's block as k pairs
+    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * QK);
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < QK / 4; ++j) {
+      __m256i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
+        for (int c = 0; c < C; ++c)
+          sum[r][c] = KVSERVE_DOT2(sum[r][c], lo[c], x0, hi[c], x1);
+      }
+    }
+    __m256 dw[C], mw[C];
+    for (int c = 0; c < C; ++c) {
+      dw[c] = F::scales(qb + c * next);
+      mw[c] = F::mins(qb + c * next);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(xd[r * (K / QK) + b]), sx = _mm256_set1_ps(xs[r * (K / QK) + b]);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][c]), _mm256_mul_ps(dw[c], dx), acc[r][c]);
+        if (F::has_min) acc[r][c] = _mm256_fmadd_ps(mw[c], sx, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float row[C * PANEL];
+    float* to = width == C * PANEL ? out + r * ldo : row;  // the weight's last, padded features go through row
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(to + c * PANEL, acc[r][c]);
+    if (to == row) std::memcpy(out + r * ldo, row, width * sizeof(float));
+  }
+}
+
+template <class F>
+constexpr TileFn tiles[ROWS] = {tile<F, 1>, tile<F, 2>, tile<F, 3>};

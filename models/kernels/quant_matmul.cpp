@@ -13,7 +13,8 @@
 // whole. The panels hold the same bytes per weight as the row blocks, so one copy serves both loads: at
 // batch 1 streaming the weights once near the read bandwidth, and in a batch re-reading each panel from
 // cache for every activation row. One kernel for every row count also means a row's output is bitwise
-// the same whatever shares its step.
+// the same whatever shares its step. Where the CPU has AVX512-VNNI, the tile (panel_tile.h) runs with
+// vpdpwssd, a multiply-add and its accumulation in one instruction.
 // The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
 // was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
 // docs/performance.md), each block's products are summed in int32, then scaled in f32.

@@ -12,8 +12,9 @@ load taken in turns (the order reversed every round), in one window.
 - long: 32 conversations with 2,000-token histories, each history sent once first (untimed), then all
   32 decode 64 tokens together (output tok/s, ITL).
 kvserve runs with `--speculative off` unless --speculative is given, so that both decode one token a
-step; bench/speculation.py measures what drafting adds. The machine's read bandwidth is measured in the same run (bench/bandwidth.py): one stream's weight
-bytes per token times its tok/s, over that, is the fraction of the memory bus it uses. Prints JSON:
+step; bench/speculation.py measures what drafting adds. The machine's read bandwidth is measured in the
+same run (bench/bandwidth.py): one stream's weight bytes per token times its tok/s, over that, is the
+fraction of the memory bus it uses. Prints JSON:
 every run, the medians, and kvserve / llama-server for each figure.
 """
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 BLOCK = 32
 BYTES_PER_BLOCK = {"q4": 20, "q8": 34}
 PANEL, PANEL_GROUP = 8, 2  # features per panel; panels per kernel tile, so P is a multiple of it
-PANEL_BYTES = {"q4": 160, "q8": 272}
+PANEL_QUANT_BYTES = {"q4": 128, "q8": 256}  # of a panel block, before its scales (and mins)
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +94,7 @@ def _fields(rows: torch.Tensor, fmt: str, nb: int):
 
 
 def to_panels(rows: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[N, K/32 * block bytes] uint8 rows (quantize_q4/q8) -> [P, K/32, PANEL_BYTES[fmt]] uint8 panels."""
+    """[N, K/32 * block bytes] uint8 rows (quantize_q4/q8) -> [P, K/32, 160 (q4) or 272 (q8)] uint8 panels."""
     n, nb = rows.shape[0], rows.shape[1] // BYTES_PER_BLOCK[fmt]
     p = panel_count(n)
     padded = torch.zeros(p * PANEL, rows.shape[1], dtype=torch.uint8)
@@ -114,7 +114,7 @@ def panel_rows(panels: torch.Tensor, fmt: str, index: torch.Tensor) -> torch.Ten
     nb, r = panels.shape[1], index.shape[0]
     sel = panels.index_select(0, torch.div(index, PANEL, rounding_mode="floor"))  # [R, nb, panel bytes]
     f = torch.remainder(index, PANEL)
-    quant_bytes = 128 if fmt == "q4" else 256
+    quant_bytes = PANEL_QUANT_BYTES[fmt]
     q = sel[:, :, :quant_bytes].reshape(r, nb, -1, PANEL, 2).permute(0, 3, 1, 2, 4)  # [R, f, nb, pair (or c), e]
     q = q[torch.arange(r), f]  # [R, nb, pair (or c), e]
     scales = sel[:, :, quant_bytes:].reshape(r, nb, -1, PANEL, 2).permute(0, 3, 2, 1, 4)[torch.arange(r), f]  # [R, fields, nb, 2]

@@ -45,7 +45,7 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
       mw[c] = F::mins(qb + c * next);
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(xd[r * (K / QK) + b]), sx = _mm256_set1_ps(xs[r * (K / QK) + b]);
+      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);
       for (int c = 0; c < C; ++c) {
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r][c]), _mm256_mul_ps(dw[c], dx), acc[r][c]);
         if (F::has_min) acc[r][c] = _mm256_fmadd_ps(mw[c], sx, acc[r][c]);

@@ -181,10 +181,12 @@ int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL
 template <class F>
 void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
   const int64_t nb = K / QK, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * nb * F::bytes;
-  const TileFn* packed_tiles = has_vnni() ? vnni::tiles<F> : avx2::tiles<F>;
-  const TileFn* unpacked_tiles = has_vnni() ? vnni::tiles<Q4Bytes> : avx2::tiles<Q4Bytes>;
+  const bool use_vnni = has_vnni();
+  const TileFn* packed_tiles = use_vnni ? vnni::tiles<F> : avx2::tiles<F>;
+  const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<Q4Bytes> : avx2::tiles<Q4Bytes>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
+    if (std::is_same_v<F, Q4Panel> && M >= UNPACK_ROWS) unpacked.resize(GROUP * nb * Q4Bytes::bytes);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
       const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
       const bool one_pass = r1 - r0 <= ROWS;  // each panel read once: stream them, prefetching ahead
@@ -192,10 +194,7 @@ void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const
       for (int64_t g = begin; g < end; ++g) {
         const int64_t col = g * cols, width = std::min(cols, N - col);
         const uint8_t* q = panels + g * group_bytes;
-        if (unpack) {
-          unpacked.resize(GROUP * nb * Q4Bytes::bytes);
-          unpack_q4(q, nb, unpacked.data());
-        }
+        if (unpack) unpack_q4(q, nb, unpacked.data());
         // past the weight's end a prefetch is only wasted, never a fault
         const uint8_t* ahead = one_pass ? q + PREFETCH_GROUPS * group_bytes : nullptr;
         for (int64_t r = r0; r < r1; r += ROWS) {

@@ -7,8 +7,9 @@ BlockStored (the block hashes, the parent's, the blocks' token ids, the block si
 BlockRemoved and AllBlocksCleared. The medium is "CPU" for the pool's blocks and "DISK" for the blocks
 this server wrote to the disk tier (--kv-disk), which the router credits less (--kv-penalty-disk). The
 hashes are the pool's own chained digests, as msgpack bin: the router keys its index on the token ids the
-events carry and chains blocks by these hashes, so it needs no hash function of kvserve's. The first batch clears whatever a router knew of this endpoint (a
-restarted server starts empty); a router that missed a batch asks the replay socket for it.
+events carry and chains blocks by these hashes, so it needs no hash function of kvserve's. The first
+batch clears whatever a router knew of this endpoint (a restarted server starts empty); a router that
+missed a batch asks the replay socket for it.
 """
 from __future__ import annotations
 

@@ -23,14 +23,9 @@
 
 namespace {
 
-using kvserve_simd::exp8;
-using kvserve_simd::hmax;
-using kvserve_simd::hsum;
 using Half = c10::Half;
-constexpr int64_t PREFETCH_ROWS = 16;  // history rows (keys) fetched ahead of the one being scored
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+constexpr int CHUNK = 32;            // history rows scored, then summed, together (a multiple of 16, the widest vector)
+constexpr int64_t AHEAD = 32;        // how many rows ahead the history is fetched (a multiple of 4)
 
 // One (layer, KV head) of a session's history: row t lies in block t / B, at row t % B.
 template <class T>
@@ -41,95 +36,72 @@ struct Paged {
   const T* row(int64_t t) const { return blocks[t >> shift] + (t & mask) * D; }
 };
 
-// G query heads of one KV head, one query each, over `visible` keys/values (element type T); NV =
-// head_dim / 8. Each key and value vector is loaded (and widened, for float16) once for all G heads:
-// widening costs about as much as the multiply-adds it feeds.
-template <int NV, int G, class T>
-void attend_group(const float* const* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
-                  float* const* out, std::vector<float>& scores) {
-  constexpr int D = NV * 8;
-  const int64_t stride = (visible + 7) / 8 * 8;
-  alignas(32) float qs[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int i = 0; i < NV; ++i) _mm256_store_ps(qs[g] + 8 * i, _mm256_mul_ps(_mm256_loadu_ps(q[g] + 8 * i), _mm256_set1_ps(scale)));
-  scores.resize(G * stride);
-  float* sc[G];
-  for (int g = 0; g < G; ++g) sc[g] = scores.data() + g * stride;
-  // Scores 4 keys at a time (B is a multiple of 4, so the 4 rows share a block): G x 4 accumulators,
-  // each reduced to its sum by a hadd tree.
-  int64_t t = 0;
-  for (; t + 4 <= visible; t += 4) {
-    const T* krows = keys.row(t);
-    // History rows are cold: fetch keys PREFETCH_ROWS ahead, and these rows' values for the second pass.
-    const char* ahead = t + PREFETCH_ROWS < visible ? reinterpret_cast<const char*>(keys.row(t + PREFETCH_ROWS)) : nullptr;
-    const char* vrows = reinterpret_cast<const char*>(values.row(t));
-    for (int j = 0; j < 4 * D * (int)sizeof(T); j += 64) {
-      if (ahead) _mm_prefetch(ahead + j, _MM_HINT_T0);
-      _mm_prefetch(vrows + j, _MM_HINT_T0);
-    }
-    __m256 part[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < 4; ++j) part[g][j] = _mm256_setzero_ps();
-    for (int i = 0; i < NV; ++i)
-      for (int j = 0; j < 4; ++j) {
-        const __m256 k = load8(krows + j * D + 8 * i);
-        for (int g = 0; g < G; ++g) part[g][j] = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), k, part[g][j]);
-      }
-    for (int g = 0; g < G; ++g) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(part[g][0], part[g][1]), _mm256_hadd_ps(part[g][2], part[g][3]));
-      _mm_storeu_ps(sc[g] + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));  // keys t..t+3
-    }
+// 8 float lanes: what attend_chunks.h needs of a vector.
+struct Vec8 {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static R load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+  static R zero() { return _mm256_setzero_ps(); }
+  static R set1(float x) { return _mm256_set1_ps(x); }
+  static R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm256_sub_ps(a, b); }
+  static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+  static R max(R a, R b) { return _mm256_max_ps(a, b); }
+  static R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static R exp(R x) { return kvserve_simd::exp8(x); }
+  static float hsum(R x) { return kvserve_simd::hsum(x); }
+  static float hmax(R x) { return kvserve_simd::hmax(x); }
+  static __m128 sum4(const R* p) {  // the sums of p[0..4), by a hadd tree
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   }
-  for (; t < visible; ++t) {
-    const T* krow = keys.row(t);
-    for (int g = 0; g < G; ++g) {
-      __m256 a = _mm256_mul_ps(_mm256_load_ps(qs[g]), load8(krow));
-      for (int i = 1; i < NV; ++i) a = _mm256_fmadd_ps(_mm256_load_ps(qs[g] + 8 * i), load8(krow + 8 * i), a);
-      sc[g][t] = hsum(a);
-    }
-  }
-  float inv[G];
-  for (int g = 0; g < G; ++g) {
-    for (int64_t u = visible; u < stride; ++u) sc[g][u] = -INFINITY;
-    __m256 top8 = _mm256_set1_ps(-INFINITY);
-    for (int64_t u = 0; u < stride; u += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(sc[g] + u));
-    const __m256 top = _mm256_set1_ps(hmax(top8));
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t u = 0; u < stride; u += 8) {
-      const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc[g] + u), top));
-      _mm256_storeu_ps(sc[g] + u, p);
-      total = _mm256_add_ps(total, p);
-    }
-    inv[g] = 1.0f / hsum(total);
-  }
-  // Values in quarters of the head dim (4 vectors), so G x 4 accumulators stay in registers.
-  for (int quarter = 0; quarter < NV / 4; ++quarter) {
-    __m256 acc[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
-    for (int64_t u = 0; u < visible; ++u) {
-      const T* vrow = values.row(u) + 32 * quarter;
-      __m256 p[G];
-      for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(sc[g] + u);
-      for (int i = 0; i < 4; ++i) {
-        const __m256 v = load8(vrow + 8 * i);
-        for (int g = 0; g < G; ++g) acc[g][i] = _mm256_fmadd_ps(p[g], v, acc[g][i]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i)
-        _mm256_storeu_ps(out[g] + 8 * (4 * quarter + i), _mm256_mul_ps(acc[g][i], _mm256_set1_ps(inv[g])));
-  }
-}
+};
 
-// The n query heads of one KV head, in groups of up to 3 (the registers' limit), for one token.
-template <int NV, class T>
-void attend_heads(const float* const* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
-                  float* const* out, int64_t n, std::vector<float>& scores) {
-  int64_t g = 0;
-  for (; g + 3 <= n; g += 3) attend_group<NV, 3>(q + g, keys, values, visible, scale, out + g, scores);
-  if (n - g == 2) attend_group<NV, 2>(q + g, keys, values, visible, scale, out + g, scores);
-  if (n - g == 1) attend_group<NV, 1>(q + g, keys, values, visible, scale, out + g, scores);
+namespace avx2 {
+using Vec = Vec8;
+#include "attend_chunks.h"
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq")
+namespace avx512 {
+struct Vec {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static R load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+  static R zero() { return _mm512_setzero_ps(); }
+  static R set1(float x) { return _mm512_set1_ps(x); }
+  static R add(R a, R b) { return _mm512_add_ps(a, b); }
+  static R sub(R a, R b) { return _mm512_sub_ps(a, b); }
+  static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+  static R max(R a, R b) { return _mm512_max_ps(a, b); }
+  static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m256 lo(R x) { return _mm512_castps512_ps256(x); }
+  static __m256 hi(R x) { return _mm512_extractf32x8_ps(x, 1); }
+  static R exp(R x) { return _mm512_insertf32x8(_mm512_castps256_ps512(Vec8::exp(lo(x))), Vec8::exp(hi(x)), 1); }
+  static float hsum(R x) { return _mm512_reduce_add_ps(x); }
+  static float hmax(R x) { return _mm512_reduce_max_ps(x); }
+  static __m128 sum4(const R* p) {
+    const __m256 halves[4] = {Vec8::add(lo(p[0]), hi(p[0])), Vec8::add(lo(p[1]), hi(p[1])), Vec8::add(lo(p[2]), hi(p[2])),
+                              Vec8::add(lo(p[3]), hi(p[3]))};
+    return Vec8::sum4(halves);
+  }
+};
+#include "attend_chunks.h"
+}  // namespace avx512
+#pragma GCC pop_options
+
+// A fact of the CPU, read once: which of the two vector paths runs.
+bool has_avx512() {
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  }();
+  return wide;
 }
 
 // Any head dims: the same math, scalar.
@@ -185,6 +157,7 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
         store_rows(value_block(i, block, h) + row * Dv, vp + (h * S + token) * Dv, Dv);
       }
     }
+  const bool wide = has_avx512();
   // One job per (span, KV head): its query heads share each history row as it is read.
   at::parallel_for(0, n_spans * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -205,7 +178,7 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
       if (job + 1 < end) {  // each job's history lies elsewhere in memory: start the next one's first keys now
         const int64_t ni = (job + 1) / Hkv;
         const char* next = reinterpret_cast<const char*>(key_block(ni, tables[table_starts[ni]], (job + 1) % Hkv));
-        const int64_t rows = std::min<int64_t>({lengths[ni] + 1, PREFETCH_ROWS, B});
+        const int64_t rows = std::min<int64_t>({lengths[ni] + 1, AHEAD, B});
         for (int64_t b = 0; b < rows * D * (int64_t)sizeof(T); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
       }
       for (int64_t j = 0; j < sizes[i]; ++j) {
@@ -216,9 +189,9 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
           os[g] = op + (h * S + token) * Dv;
         }
         if (D == 64 && Dv == 64)
-          attend_heads<8>(qs.data(), keys, values, visible, scale, os.data(), group, scores);
+          (wide ? avx512::attend_heads<64, T> : avx2::attend_heads<64, T>)(qs.data(), keys, values, visible, scale, os.data(), group);
         else if (D == 128 && Dv == 128)
-          attend_heads<16>(qs.data(), keys, values, visible, scale, os.data(), group, scores);
+          (wide ? avx512::attend_heads<128, T> : avx2::attend_heads<128, T>)(qs.data(), keys, values, visible, scale, os.data(), group);
         else
           for (int64_t g = 0; g < group; ++g) attend_one_any(qs[g], keys, values, visible, scale, D, Dv, os[g], scores);
       }

@@ -40,6 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--session-sizing", choices=[s.value for s in Sizing], default=d.session_sizing.value)
     p.add_argument("--kv-budget", type=parse_bytes, default=d.kv_budget, help="bytes for all KV caches, e.g. 2GiB")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per step (chunked prefill)")
+    p.add_argument("--mixed-prefill-tokens", type=int, default=d.mixed_prefill_tokens,
+                   help="prefill tokens a step adds while others decode (default: what --max-batch-tokens leaves)")
     p.add_argument("--max-running", type=int, default=d.max_running, help="sessions per step")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,
@@ -97,6 +99,7 @@ def _engine_config(args) -> EngineConfig:
         session_sizing=Sizing(args.session_sizing),
         kv_budget=args.kv_budget,
         max_batch_tokens=args.max_batch_tokens,
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
         max_running=args.max_running,
         max_queued=args.max_queued,
         kv_dtype=args.kv_dtype,

@@ -34,6 +34,7 @@ class EngineConfig:
     session_sizing: Sizing = Sizing.DYNAMIC
     kv_budget: int = 4 * 2**30  # bytes held by every installed cache together
     max_batch_tokens: int = 128  # tokens a step: decodes first, then prefill chunks (docs/performance.md has the choice)
+    mixed_prefill_tokens: int | None = None  # prefill tokens a step adds beside decodes; None: what the budget leaves
     max_running: int = 64  # sessions per step
     max_queued: int = 256  # requests waiting for a running slot
     default_max_tokens: int | None = None  # a cap for requests that name none; None: the session's room
@@ -61,7 +62,8 @@ class EngineConfig:
                      "session_ttl", "session_disk_ttl"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_sessions_per_key", "max_running_per_key", "max_queued_per_key", "request_timeout"):
+        for name in ("max_sessions_per_key", "max_running_per_key", "max_queued_per_key", "request_timeout",
+                     "mixed_prefill_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if any(w <= 0 for _, w in self.tenant_weights):

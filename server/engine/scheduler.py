@@ -83,12 +83,17 @@ class Scheduler:
         decodes = [r for r in self.running if len(r.session.pending) == 1]
         prefills = [r for r in self.running if len(r.session.pending) > 1]
         spare = max(0, self.config.speculation.max_rows - len(decodes))  # rows drafts may add: few while few decode
+        # Prefill beside decodes lengthens the step every decoding stream waits on: it may have a smaller share.
+        prefill_left = (self.config.mixed_prefill_tokens if decodes else None) or tokens_left
         for req in decodes + prefills:
             if tokens_left == 0:
                 break
             if req not in self.running:  # preempted while planning an older request
                 continue
-            n = min(len(req.session.pending), tokens_left)
+            decoding = len(req.session.pending) == 1
+            n = min(len(req.session.pending), tokens_left, tokens_left if decoding else prefill_left)
+            if n == 0:
+                break
             drafts = req.draft(min(spare, tokens_left - n)) if len(req.session.pending) == 1 and spare else ()
             need = req.session.cache.pool_demand(n + len(drafts))
             fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
@@ -96,18 +101,20 @@ class Scheduler:
                 chunks.append(self._chunk(req, n, drafts))
                 self.tenants.charge(req.session.owner, n)
                 tokens_left -= n + len(drafts)
+                prefill_left -= 0 if decoding else n
                 spare -= len(drafts)
-        while tokens_left > 0 and len(self.running) < self.config.max_running:
+        while min(tokens_left, prefill_left) > 0 and len(self.running) < self.config.max_running:
             req = self._next_fair()
             if req is None:
                 break
-            admitted = self._admit(req, tokens_left, planned, protect={c.request_id for c in chunks})
+            admitted = self._admit(req, min(tokens_left, prefill_left), planned, protect={c.request_id for c in chunks})
             if admitted is None:
                 break  # nobody overtakes the fairest request while it does not fit: it would starve
             n, planned = admitted
             chunks.append(self._chunk(req, n))
             self.tenants.charge(req.session.owner, n)
             tokens_left -= n
+            prefill_left -= n
         rows = tuple(r for c in chunks if c.sample for r in self.by_id[c.request_id].sample_rows(c.draft_tokens))
         self._in_flight = {c.request_id for c in chunks}
         return StepBatch(tuple(chunks), rows)

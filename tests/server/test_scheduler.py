@@ -61,6 +61,26 @@ def test_chunked_prefill_shares_the_token_budget_with_decodes():
     assert b.session.cached_length == 20 and b.output_ids == [7]
 
 
+def test_prefill_beside_decodes_takes_at_most_its_share_and_all_the_budget_alone():
+    sched, sessions, _ = make(max_batch_tokens=16, mixed_prefill_tokens=5)
+    alone = submit(sched, sessions, 30, max_tokens=8)
+    first = sched.schedule()
+    assert [len(c.tokens) for c in first.chunks] == [16]  # nobody decodes: the whole budget
+    run_step(sched, first)
+    run_step(sched, sched.schedule())  # the prompt's last 14 tokens; it decodes from now on
+    late, later = submit(sched, sessions, 12), submit(sched, sessions, 3)
+    steps = []
+    for _ in range(3):
+        batch = sched.schedule()
+        steps.append([(c.request_id, len(c.tokens)) for c in batch.chunks])
+        run_step(sched, batch)
+    # beside the decode, 5 prefill tokens a step across both newcomers, though the budget leaves 15
+    assert steps == [[(alone.id, 1), (late.id, 5)], [(alone.id, 1), (late.id, 5)],
+                     [(alone.id, 1), (late.id, 2), (later.id, 3)]]
+    with pytest.raises(ValueError, match="mixed_prefill_tokens"):
+        EngineConfig(mixed_prefill_tokens=0)
+
+
 def test_running_limit_queue_limit_and_fcfs():
     sched, sessions, _ = make(max_running=2, max_queued=2)
     reqs = [submit(sched, sessions, 2) for _ in range(2)]

@@ -41,7 +41,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget", type=parse_bytes, default=d.kv_budget, help="bytes for all KV caches, e.g. 2GiB")
     p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per step (chunked prefill)")
     p.add_argument("--mixed-prefill-tokens", type=int, default=d.mixed_prefill_tokens,
-                   help="prefill tokens a step adds while others decode (default: what --max-batch-tokens leaves)")
+                   help="prefill tokens a step adds while others decode")
     p.add_argument("--max-running", type=int, default=d.max_running, help="sessions per step")
     p.add_argument("--max-queued", type=int, default=d.max_queued, help="waiting requests before 429")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=d.kv_dtype,

@@ -34,7 +34,7 @@ class EngineConfig:
     session_sizing: Sizing = Sizing.DYNAMIC
     kv_budget: int = 4 * 2**30  # bytes held by every installed cache together
     max_batch_tokens: int = 128  # tokens a step: decodes first, then prefill chunks (docs/performance.md has the choice)
-    mixed_prefill_tokens: int | None = None  # prefill tokens a step adds beside decodes; None: what the budget leaves
+    mixed_prefill_tokens: int | None = 64  # prefill tokens a step adds beside decodes; None: what the budget leaves
     max_running: int = 64  # sessions per step
     max_queued: int = 256  # requests waiting for a running slot
     default_max_tokens: int | None = None  # a cap for requests that name none; None: the session's room

@@ -14,6 +14,7 @@ void attend_group(const float* const* q, const Paged<T>& keys, const Paged<T>& v
                   float* const* out) {
   using R = typename Vec::R;
   constexpr int W = Vec::W, NV = D / W, Q = NV < 4 ? NV : 4;  // Q: value vectors summed per pass
+  static_assert(D % W == 0 && CHUNK % W == 0, "rows and chunks are whole vectors");
   alignas(64) float qs[G][D], acc[G][D] = {}, s[G][CHUNK];
   alignas(64) float top[W], shift[W] = {};  // per head: the running max, and old max - new max
   float total[G] = {};

@@ -91,17 +91,18 @@ class Scheduler:
             if req not in self.running:  # preempted while planning an older request
                 continue
             decoding = len(req.session.pending) == 1
-            n = min(len(req.session.pending), tokens_left, tokens_left if decoding else prefill_left)
+            n = min(len(req.session.pending), tokens_left if decoding else min(tokens_left, prefill_left))
             if n == 0:
-                break
-            drafts = req.draft(min(spare, tokens_left - n)) if len(req.session.pending) == 1 and spare else ()
+                break  # the prefill share is spent, and only prefills are left
+            drafts = req.draft(min(spare, tokens_left - n)) if decoding and spare else ()
             need = req.session.cache.pool_demand(n + len(drafts))
             fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
             if fits:
                 chunks.append(self._chunk(req, n, drafts))
                 self.tenants.charge(req.session.owner, n)
                 tokens_left -= n + len(drafts)
-                prefill_left -= 0 if decoding else n
+                if not decoding:
+                    prefill_left -= n
                 spare -= len(drafts)
         while min(tokens_left, prefill_left) > 0 and len(self.running) < self.config.max_running:
             req = self._next_fair()

@@ -9,8 +9,9 @@ within a tenant (server/engine/tenants.py), up to each tenant's share of the run
 admitted request's session starts from the longest cached prefix of its history (or from its parent's
 KV, for the choices of one `n` > 1 request), so only the rest is prefilled; one that scores its prompt
 (echo with logprobs) prefills it whole, since only a row run gives logits. KV blocks come from the
-pool's free and cached blocks, then from evicting idle sessions (least recently used first) and,
-failing that, from preempting the youngest running request, whose KV is dropped and recomputed later.
+pool's free and cached blocks, then from evicting idle sessions (least recently used first), then
+the KV of sessions whose request waits (the last in the queue first) and, failing that, from
+preempting the youngest running request; dropped KV is recomputed when it is next needed.
 A request past its deadline ends as a cancel would: with its tokens so far, or, if it never ran, with
 a timeout error that leaves its session as it was.
 """
@@ -177,10 +178,15 @@ class Scheduler:
         return Chunk(req.id, s.id, s.cache, (*pending[:n], *drafts), s.cached_length, sample=n == len(pending) and req.wants_tokens,
                      scored=req.prompt_targets(s.cached_length, n), scored_top=req.params.prompt_logprobs or 0, drafts=len(drafts))
 
-    def evict_idle(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
-        """Drop idle sessions' KV, least recently used first, until `need` more blocks are free -> whether they are."""
+    def evict(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
+        """Drop the KV of sessions no step runs until `need` more blocks are free -> whether they are: idle
+        sessions, least recently used first, then those whose request waits, the last in the queue first.
+        A waiting request's KV pins blocks that no finishing request gives back: were it kept, requests
+        waiting on each other's blocks with none running would wait forever. Its full blocks stay cached,
+        and what is lost is prefilled again once it is admitted, as after a preemption."""
         while self.pool.blocks.available() - planned < need:
-            idle = [s for s in self.sessions.resident_idle() if s is not keep]
+            idle = [s for s in self.sessions.resident_idle() if s is not keep] or [
+                r.session for r in reversed(self.waiting) if r.session.cache is not None and r.session is not keep]
             if not idle:
                 return False
             self.pool.drop(idle[0])
@@ -188,8 +194,8 @@ class Scheduler:
         return True
 
     def _make_room(self, req: Sequence, need: int, planned: int, protect: set[str], preempt: bool = True):
-        """Evict idle sessions, then (if allowed) preempt younger requests, until `need` more blocks are free."""
-        while not self.evict_idle(need, planned, keep=req.session):
+        """Evict sessions no step runs, then (if allowed) preempt younger requests, until `need` more blocks are free."""
+        while not self.evict(need, planned, keep=req.session):
             victims = [r for r in self.running if r is not req and r.id not in protect and r.session.cache is not None]
             if not preempt or not victims:
                 return False, planned

@@ -70,7 +70,7 @@ class SessionOps:
                 raise Conflict(f"session {session_id!r} already exists", param="id")
             session = self._new_session(capacity, sizing, persistent, owner, session_id)
             if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
-                if not self.scheduler.evict_idle(self.pool.blocks_for(capacity), keep=session):
+                if not self.scheduler.evict(self.pool.blocks_for(capacity), keep=session):
                     self.sessions.remove(session)
                     raise Overloaded(f"the KV pool cannot hold back {capacity} tokens for a static session now",
                                      retry_after_s=self.config.retry_after_s)

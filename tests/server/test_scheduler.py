@@ -145,6 +145,31 @@ def test_preemption_recomputes_youngest_and_nobody_starves():
     assert len(old.output_ids) == len(young.output_ids) == 18
 
 
+def test_waiting_requests_whose_sessions_hold_every_block_still_run():
+    # two idle sessions fill the pool; each then waits with a new turn that needs one more block, and
+    # nothing runs that could give one back: the last in the queue gives up its KV for the first
+    sched, sessions, _ = make(budget_tokens=64)  # 4 blocks of 16 tokens
+    first, second = sessions.create(64, Sizing.DYNAMIC, True, None), sessions.create(64, Sizing.DYNAMIC, True, None)
+    for s, start in ((first, 100), (second, 200)):
+        s.tokens.extend(range(start, start + 32))
+        req = Sequence(s, SamplingParams(max_tokens=1, temperature=0.0), 32, prompt_ids=list(s.tokens))
+        sched.add(req)
+        run_step(sched, sched.schedule())
+        assert req.finished is not None and s.cache.length == 32
+    assert sched.pool.blocks.available() == 0
+    older, younger = submit(sched, sessions, 4, max_tokens=2, session=first), submit(sched, sessions, 4, max_tokens=2, session=second)
+    batch = sched.schedule()
+    assert [(c.request_id, c.start, len(c.tokens)) for c in batch.chunks] == [(older.id, 32, 5)]
+    assert second.cache is None and second.tokens[:33] == [*range(200, 232), 7]  # its history stays
+    assert sched.counts.evictions == 1
+    for _ in range(20):
+        if not sched.has_work():
+            break
+        run_step(sched, sched.schedule())
+    assert older.finished.reason == younger.finished.reason == "length"
+    assert second.tokens == [*range(200, 232), 7, 1, 2, 3, 4, 7, 7] and second.busy is None
+
+
 def test_eos_finishes_and_failed_step_rolls_back():
     sched, sessions, _ = make()
     req = submit(sched, sessions, 3, max_tokens=10)

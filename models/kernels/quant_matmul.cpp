@@ -14,7 +14,8 @@
 // batch 1 streaming the weights once near the read bandwidth, and in a batch re-reading each panel from
 // cache for every activation row. One kernel for every row count also means a row's output is bitwise
 // the same whatever shares its step. Where the CPU has AVX512-VNNI, the tile (panel_tile.h) runs with
-// vpdpwssd, a multiply-add and its accumulation in one instruction.
+// vpdpwssd, a multiply-add and its accumulation in one instruction, and from a few rows on a wide tile
+// (wide_tile.h) does it on 512 bits, bitwise the same.
 // The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
 // was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
 // docs/performance.md), each block's products are summed in int32, then scaled in f32.
@@ -44,6 +45,9 @@ constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass tile
 // From this many rows in a chunk on, a Q4 group is first unpacked to a byte a weight (Q4Bytes): the tile
 // is then bound by the multiply-adds alone, and the unpacking, once per chunk, costs less than it saves.
 constexpr int64_t UNPACK_ROWS = 16;
+// Where the CPU has AVX512-VNNI, from this many rows on the wide path (wide_tile.h) runs: its unpacking
+// pays for itself from fewer rows, as its tile does twice the multiply-adds an instruction.
+constexpr int64_t WIDE_FROM_ROWS = 8;
 
 // Activation rows quantized per block of 32 to int16 (scale d = amax/32767; s = d * sum(q), which
 // Q4_1's min term needs).
@@ -166,7 +170,16 @@ namespace vnni {
 }  // namespace vnni
 #pragma GCC pop_options
 
-// A fact of the CPU, read once: which of the two tiles runs.
+int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL) * GROUP; }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+namespace wide {
+#include "wide_tile.h"
+}  // namespace wide
+#pragma GCC pop_options
+
+// Facts of the CPU, read once: which tiles run.
 bool has_vnni() {
   static const bool vnni = [] {
     __builtin_cpu_init();
@@ -175,12 +188,19 @@ bool has_vnni() {
   return vnni;
 }
 
-int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL) * GROUP; }
+bool has_wide() {
+  static const bool wide = [] {
+    __builtin_cpu_init();
+    return has_vnni() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  }();
+  return wide;
+}
 
 // out [M, N] = x [M, K] by the N-feature weight held as these panels.
 template <class F>
 void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
   const int64_t nb = K / QK, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * nb * F::bytes;
+  if (M >= WIDE_FROM_ROWS && has_wide()) return wide::wide_linear<F>(x, M, K, N, panels, out, ROW_CHUNK);
   const bool use_vnni = has_vnni();
   const TileFn* packed_tiles = use_vnni ? vnni::tiles<F> : avx2::tiles<F>;
   const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<Q4Bytes> : avx2::tiles<Q4Bytes>;

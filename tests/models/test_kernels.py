@@ -51,14 +51,15 @@ def test_block_linear_matches_its_dequantized_weights(fmt, rows):
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 @pytest.mark.parametrize("features", [584, 203])  # 203: a last group of 8 and a last GEMM tile both partial
 def test_block_linear_rows_do_not_depend_on_the_batch(fmt, features):
-    """A row gives bitwise what it gives alone in a batch of 2 or 3 (a wider tile) or of 4 and 40 (several
-    tiles): greedy decoding must not change with the number of streams."""
+    """A row gives bitwise what it gives alone in a batch of 2 or 3 (a wider tile), of 4 (several tiles), or
+    of 8, 17, 40 and 131 (on AVX512-VNNI the wide tiles; from 16, unpacked panels; 131 in two chunks):
+    greedy decoding must not change with the number of streams."""
     torch.manual_seed(1)
     fast = LinearBlocks(torch.nn.Linear(1536, features, bias=False), fmt)
-    x = torch.randn(40, 1536) * torch.linspace(0.01, 30, 1536)  # wide per-block ranges, as real activations have
+    x = torch.randn(131, 1536) * torch.linspace(0.01, 30, 1536)  # wide per-block ranges, as real activations have
     with torch.no_grad():
         alone = torch.cat([fast(row) for row in x.split(1)])
-        for rows in (2, 3, 4, 40):
+        for rows in (2, 3, 4, 8, 17, 40, 131):
             batched = torch.cat([fast(part) for part in x.split(rows)])
             assert torch.equal(batched, alone), rows
 

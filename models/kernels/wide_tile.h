@@ -1,0 +1,117 @@
+// The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
+// to int16, 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
+// the includer defines the panel formats, QK, GROUP, PANEL and QuantizedRows.
+//
+// Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
+// the work of the 256-bit tile an instruction. The panels' bytes are unpacked once per chunk of rows
+// into a layout the inner loop reads whole (two panels side by side, each k pair of 16 features one
+// vector), so that loop is loads and vpdpwssd alone. Each output lane gets the same float operations in
+// the same order as in panel_tile.h (the integer sums are exact), so a row's outputs are bitwise the same
+// on either path: a row never depends on how many rows share its step.
+
+constexpr int64_t WIDE_QUANTS = QK / 4 * 128;        // a block's k pairs: 8 x (low pairs, high pairs) x 64 bytes
+constexpr int64_t WIDE_BLOCK = WIDE_QUANTS + 2 * 64;  // then 16 float scales and 16 float mins
+constexpr int WIDE_ROWS = 6;                         // rows a tile: 4 x 2 int32 sums and 4 x 2 float sums in registers
+
+// A group's GROUP panels (each nb blocks of F) from q -> the wide layout, nb blocks of WIDE_BLOCK bytes at `to`.
+template <class F>
+inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
+  static_assert(GROUP == 2 && PANEL == 8, "a wide vector is one group: two panels of 8 features");
+  const int64_t next = nb * F::bytes;
+  for (int64_t b = 0; b < nb; ++b, to += WIDE_BLOCK) {
+    const uint8_t *p0 = q + b * F::bytes, *p1 = p0 + next;
+    for (int64_t j = 0; j < QK / 4; ++j) {
+      __m256i lo0, hi0, lo1, hi1;
+      F::pairs(p0 + j * F::chunk, lo0, hi0);
+      F::pairs(p1 + j * F::chunk, lo1, hi1);
+      __m256i* at = reinterpret_cast<__m256i*>(to + j * 128);
+      _mm256_storeu_si256(at, lo0);
+      _mm256_storeu_si256(at + 1, lo1);
+      _mm256_storeu_si256(at + 2, hi0);
+      _mm256_storeu_si256(at + 3, hi1);
+    }
+    float* s = reinterpret_cast<float*>(to + WIDE_QUANTS);
+    _mm256_storeu_ps(s, F::scales(p0));
+    _mm256_storeu_ps(s + 8, F::scales(p1));
+    _mm256_storeu_ps(s + 16, F::mins(p0));
+    _mm256_storeu_ps(s + 24, F::mins(p1));
+  }
+}
+
+// out[r][0..16 C) for R rows by C unpacked groups at w (each nb * WIDE_BLOCK bytes, one after another).
+template <int R, int C, bool MIN>
+void wide_tile(const uint8_t* w, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+               float* out, int64_t ldo, int64_t width) {
+  const int64_t stride = nb * WIDE_BLOCK;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* wb = w + b * WIDE_BLOCK;
+    const int32_t* xb[R];  // each row's block as k pairs
+    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * QK);
+    __m512i sum[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < QK / 4; ++j) {
+      __m512i lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        lo[c] = _mm512_loadu_si512(wb + c * stride + j * 128);
+        hi[c] = _mm512_loadu_si512(wb + c * stride + j * 128 + 64);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x0 = _mm512_set1_epi32(xb[r][2 * j]), x1 = _mm512_set1_epi32(xb[r][2 * j + 1]);
+        for (int c = 0; c < C; ++c) sum[r][c] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][c], lo[c], x0), hi[c], x1);
+      }
+    }
+    __m512 dw[C], mw[C];
+    for (int c = 0; c < C; ++c) {
+      dw[c] = _mm512_loadu_ps(wb + c * stride + WIDE_QUANTS);
+      mw[c] = _mm512_loadu_ps(wb + c * stride + WIDE_QUANTS + 64);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(xd[r * nb + b]), sx = _mm512_set1_ps(xs[r * nb + b]);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][c]), _mm512_mul_ps(dw[c], dx), acc[r][c]);
+        if (MIN) acc[r][c] = _mm512_fmadd_ps(mw[c], sx, acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      const int64_t left = width - 16 * c;  // the weight's last, padded features are not written
+      if (left >= 16) _mm512_storeu_ps(out + r * ldo + 16 * c, acc[r][c]);
+      else if (left > 0) _mm512_mask_storeu_ps(out + r * ldo + 16 * c, (__mmask16)((1u << left) - 1), acc[r][c]);
+    }
+}
+
+using WideFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t);
+
+template <int C, bool MIN>
+constexpr WideFn wide_tiles[WIDE_ROWS] = {wide_tile<1, C, MIN>, wide_tile<2, C, MIN>, wide_tile<3, C, MIN>, wide_tile<4, C, MIN>, wide_tile<5, C, MIN>, wide_tile<6, C, MIN>};
+
+// out [M, N] = x [M, K] by the N-feature weight held as panels of F, two groups (32 features) a tile.
+template <class F>
+void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
+                 int64_t row_chunk) {
+  const int64_t nb = K / QK, groups = panel_count(N) / GROUP, group_bytes = GROUP * nb * F::bytes;
+  const int64_t units = (groups + 1) / 2;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> scratch;
+    scratch.resize(2 * nb * WIDE_BLOCK);
+    for (int64_t r0 = 0; r0 < M; r0 += row_chunk) {
+      const int64_t r1 = std::min(M, r0 + row_chunk);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t g = 2 * u, c = std::min<int64_t>(2, groups - g), col = g * GROUP * PANEL;
+        for (int64_t i = 0; i < c; ++i) unpack_wide<F>(panels + (g + i) * group_bytes, nb, scratch.data() + i * nb * WIDE_BLOCK);
+        const WideFn* tiles = c == 2 ? wide_tiles<2, F::has_min> : wide_tiles<1, F::has_min>;
+        for (int64_t r = r0; r < r1; r += WIDE_ROWS) {
+          const int64_t rows = std::min<int64_t>(WIDE_ROWS, r1 - r);
+          tiles[rows - 1](scratch.data(), nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K, out + r * N + col, N,
+                          std::min(c * GROUP * PANEL, N - col));
+        }
+      }
+    }
+  });
+}

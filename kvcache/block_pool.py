@@ -1,8 +1,9 @@
 """One engine's KV memory: fixed-size blocks with reference counts and an index of cached prefixes.
 
-Storage contract: k is [n_blocks, n_layers, n_kv_heads, block_size, head_dim] and v is
-[n_blocks, n_layers, n_kv_heads, block_size, v_head_dim]. A block holds block_size consecutive tokens
-of one history for every layer, so copying or dropping it moves whole tokens.
+Storage contract: k is [n_blocks, n_layers, n_kv_heads, head_dim, block_size] and v is
+[n_blocks, n_layers, n_kv_heads, block_size, v_head_dim]: keys are held transposed within a block, as
+the attention kernel reads them (a vector over keys per head dim). A block holds block_size consecutive
+tokens of one history for every layer, so copying or dropping it moves whole tokens.
 
 Why block hashing (vLLM, nano-vllm) rather than a radix tree (SGLang): a session is already a list
 of blocks for the native kernel to read, and a full block's hash chains over the hash of the block
@@ -63,7 +64,7 @@ class BlockPool:
         self.layout, self.n_blocks, self.block_size = layout, n_blocks, block_size
         shape = (n_blocks, layout.n_layers, layout.n_kv_heads, block_size)
         # torch.empty maps the pages without touching them: memory becomes resident as blocks are written.
-        self.k = torch.empty(*shape, layout.head_dim, dtype=layout.dtype)
+        self.k = torch.empty(*shape[:3], layout.head_dim, block_size, dtype=layout.dtype)
         self.v = torch.empty(*shape, layout.value_dim, dtype=layout.dtype)
         self.refs = [0] * n_blocks
         self.ids = array("q", bytes(8 * n_blocks * block_size))  # block b's token ids: ids[b * B : (b + 1) * B]

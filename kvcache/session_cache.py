@@ -127,7 +127,7 @@ class SessionCache:
         assert self._length + n <= self.allocated, "reserve() must run before write()"
         slots = torch.arange(self._length, self._length + n)
         blocks = torch.tensor(self.table, dtype=torch.long)[slots // b]
-        self.pool.k[blocks, layer, :, slots % b] = k.transpose(0, 1).to(self.pool.k.dtype)  # [n, H_kv, D]
+        self.pool.k[blocks, layer, :, :, slots % b] = k.transpose(0, 1).to(self.pool.k.dtype)  # [n, H_kv, D]
         self.pool.v[blocks, layer, :, slots % b] = v.transpose(0, 1).to(self.pool.v.dtype)
         return self.history(layer, self._length + n)
 
@@ -136,11 +136,10 @@ class SessionCache:
         end = self._length if end is None else end
         blocks = torch.tensor(self.table[: blocks_for(end, self.pool.block_size)], dtype=torch.long)
 
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            rows = pool[blocks, layer]  # [nb, H_kv, B, D]
+        def gather(rows: torch.Tensor) -> torch.Tensor:  # [nb, H_kv, B, D]
             return rows.transpose(0, 1).reshape(rows.shape[1], -1, rows.shape[-1])[:, :end]  # [H_kv, nb * B, D] -> [H_kv, end, D]
 
-        return gather(self.pool.k), gather(self.pool.v)
+        return gather(self.pool.k[blocks, layer].transpose(-1, -2)), gather(self.pool.v[blocks, layer])
 
     # ---- history edits -------------------------------------------------------------------------
     def rewind(self, n: int) -> None:

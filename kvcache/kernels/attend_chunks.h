@@ -1,111 +1,208 @@
 // The vector attention of attend_spans.cpp, included there twice: with 8-lane AVX2 vectors, and with
-// 16-lane AVX-512 ones where the CPU has them (half the instructions for the same multiply-adds). The
-// includer defines Vec (its lanes W and its operations), CHUNK, AHEAD, Half and Paged, and wraps this
-// in a namespace of its own.
+// 16-lane AVX-512 ones where the CPU has them. The includer defines Vec (its lanes W and operations),
+// CHUNK, WIDEN_ROWS, PREFETCH_CHUNKS, PREFETCH_HINT, Half, Paged, Scratch and widen, and wraps this in a
+// namespace of its own.
+//
+// R query rows that share one history (the query heads of one KV head, for one token or for several
+// tokens of a span: row r sees the first visible[r] keys, nondecreasing in r) in one pass over it, in
+// chunks of CHUNK keys with an online softmax (flash attention). Scores are vectors over the keys (stored
+// transposed, [D] by [B] a block): lane t of a row's score vector is its dot product with key t, summed
+// over the head dim, so no horizontal sums are needed, and the rows share each key vector loaded. With
+// many rows, a chunk's keys and values are first widened to float32, once for all of them.
+// Each row's operations, and their order, depend only on its own query and visible length, never on
+// which rows share its pass: a token's attention is bitwise the same decoded alone, in a batch, or in
+// any chunk of a prefill.
 
-// G query heads of one KV head, one query each, over `visible` keys/values (element type T), head dim
-// D. One pass in chunks of CHUNK rows with an online softmax (flash-decoding): a chunk's keys and
-// values are read from memory once and used while they are in L1, where a scores pass and then a
-// values pass over the whole history would read the values twice. Each key and value vector is loaded
-// (and widened, for float16) once for all G heads: widening costs about as much as the multiply-adds
-// it feeds.
-template <int D, int G, class T>
-void attend_group(const float* const* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
-                  float* const* out) {
+// A chunk's keys and values where the row loops read them: key vector c (lanes = keys c W .. c W + W - 1)
+// of head dim d at key[c] + d * stride, value row u at value[u >> shift] + (u & mask) * D. Either the pool's
+// own blocks (float16 or float32) or their float32 copies in scratch: widening is exact, so the sums are
+// the same bits either way.
+template <class T>
+struct ChunkView {
+  const T* key[CHUNK / Vec::W];
+  int64_t stride;
+  const T* value[CHUNK / 4];
+  int shift, mask;
+  const T* row(int u, int64_t D) const { return value[u >> shift] + (u & mask) * D; }
+};
+
+// The first two pool blocks of the chunk PREFETCH_CHUNKS on (the whole chunk, with the served block size of
+// 16), fetched a line a block each step of the score and value loops: spread over the work, the fetches keep
+// the memory busy without crowding the loads in hand. (Straight-line code inside loops that do real work:
+// gcc drops a loop that only prefetches.)
+struct Ahead {
+  const char *key[2], *value[2];  // the second is the first again where the chunk lies in one block
+  int64_t key_step, value_step;   // bytes from one step's line to the next
+};
+
+inline void fetch(const char* const* blocks, int64_t at) {
+  _mm_prefetch(blocks[0] + at, PREFETCH_HINT);
+  _mm_prefetch(blocks[1] + at, PREFETCH_HINT);
+}
+
+// Scores of M rows (queries qs, D floats each, already scaled) against the chunk's keys: each lane sums its
+// key's products over the even and the odd head dims apart, then adds the two (two chains halve the wait on
+// each multiply-add's latency, which a row or two alone would be bound by).
+template <int D, int M, class T>
+void score_rows(const float* qs, const ChunkView<T>& view, float* s, const Ahead* ahead) {
   using R = typename Vec::R;
-  constexpr int W = Vec::W, NV = D / W, Q = NV < 4 ? NV : 4;  // Q: value vectors summed per pass
-  static_assert(D % W == 0 && CHUNK % W == 0, "rows and chunks are whole vectors");
-  alignas(64) float qs[G][D], acc[G][D] = {}, s[G][CHUNK];
-  alignas(64) float top[W], shift[W] = {};  // per head: the running max, and old max - new max
-  float total[G] = {};
-  for (int g = 0; g < G; ++g) {
-    top[g] = -INFINITY;
-    for (int i = 0; i < NV; ++i) Vec::store(qs[g] + W * i, Vec::mul(Vec::load(q[g] + W * i), Vec::set1(scale)));
-  }
-  for (int64_t t0 = 0; t0 < visible; t0 += CHUNK) {
-    const int n = (int)std::min<int64_t>(CHUNK, visible - t0);
-    // Scores 4 keys at a time (B is a multiple of 4, so the 4 rows share a block): G x 4 accumulators,
-    // each reduced to its sum by a hadd tree.
-    int j = 0;
-    for (; j + 4 <= n; j += 4) {
-      const T* krows = keys.row(t0 + j);
-      // History rows are cold: fetch the keys and values AHEAD rows on while these are used.
-      if (t0 + j + AHEAD < visible) {
-        const char *kr = reinterpret_cast<const char*>(keys.row(t0 + j + AHEAD)), *vr = reinterpret_cast<const char*>(values.row(t0 + j + AHEAD));
-        for (int b = 0; b < 4 * D * (int)sizeof(T); b += 64) {
-          _mm_prefetch(kr + b, _MM_HINT_T0);
-          _mm_prefetch(vr + b, _MM_HINT_T0);
-        }
-      }
-      R part[G][4];
-      for (int g = 0; g < G; ++g)
-        for (int r = 0; r < 4; ++r) part[g][r] = Vec::zero();
-      for (int i = 0; i < NV; ++i)
-        for (int r = 0; r < 4; ++r) {
-          const R k = Vec::load(krows + r * D + W * i);
-          for (int g = 0; g < G; ++g) part[g][r] = Vec::fma(Vec::load(qs[g] + W * i), k, part[g][r]);
-        }
-      for (int g = 0; g < G; ++g) _mm_store_ps(s[g] + j, Vec::sum4(part[g]));
+  constexpr int CW = CHUNK / Vec::W;
+  R even[M][CW], odd[M][CW];
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < CW; ++c) even[m][c] = odd[m][c] = Vec::zero();
+  for (int d = 0; d < D; d += 2) {
+    R k0[CW], k1[CW];
+    for (int c = 0; c < CW; ++c) {
+      k0[c] = Vec::load(view.key[c] + d * view.stride);
+      k1[c] = Vec::load(view.key[c] + (d + 1) * view.stride);
     }
-    for (; j < n; ++j) {
-      const T* krow = keys.row(t0 + j);
-      for (int g = 0; g < G; ++g) {
-        R a = Vec::mul(Vec::load(qs[g]), Vec::load(krow));
-        for (int i = 1; i < NV; ++i) a = Vec::fma(Vec::load(qs[g] + W * i), Vec::load(krow + W * i), a);
-        s[g][j] = Vec::hsum(a);
+    if (ahead != nullptr) fetch(ahead->key, d / 2 * ahead->key_step);
+    for (int m = 0; m < M; ++m) {
+      const R q0 = Vec::set1(qs[m * D + d]), q1 = Vec::set1(qs[m * D + d + 1]);
+      for (int c = 0; c < CW; ++c) {
+        even[m][c] = Vec::fma(q0, k0[c], even[m][c]);
+        odd[m][c] = Vec::fma(q1, k1[c], odd[m][c]);
       }
-    }
-    // The online softmax: rescale what is summed so far by e^(old max - new max), one exp for all heads.
-    for (int g = 0; g < G; ++g) {
-      std::fill(s[g] + n, s[g] + CHUNK, -INFINITY);
-      R m = Vec::load(s[g]);
-      for (int u = W; u < CHUNK; u += W) m = Vec::max(m, Vec::load(s[g] + u));
-      const float now = std::max(top[g], Vec::hmax(m));
-      shift[g] = top[g] - now;  // -inf on the first chunk: exp flushes it to about 0, and acc is 0
-      top[g] = now;
-    }
-    alignas(64) float corr[W];
-    Vec::store(corr, Vec::exp(Vec::load(shift)));
-    for (int g = 0; g < G; ++g) {
-      const R now = Vec::set1(top[g]);
-      R sum = Vec::zero();
-      for (int u = 0; u < CHUNK; u += W) {
-        const R p = Vec::exp(Vec::sub(Vec::load(s[g] + u), now));
-        Vec::store(s[g] + u, p);
-        sum = Vec::add(sum, p);
-      }
-      total[g] = total[g] * corr[g] + Vec::hsum(sum);
-    }
-    // Values Q vectors at a time, so the G x Q accumulators stay in registers.
-    for (int part = 0; part < NV / Q; ++part) {
-      R a[G][Q];
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < Q; ++i) a[g][i] = Vec::mul(Vec::load(acc[g] + W * (Q * part + i)), Vec::set1(corr[g]));
-      for (int u = 0; u < n; ++u) {
-        const T* vrow = values.row(t0 + u) + W * Q * part;
-        R p[G];
-        for (int g = 0; g < G; ++g) p[g] = Vec::set1(s[g][u]);
-        for (int i = 0; i < Q; ++i) {
-          const R v = Vec::load(vrow + W * i);
-          for (int g = 0; g < G; ++g) a[g][i] = Vec::fma(p[g], v, a[g][i]);
-        }
-      }
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < Q; ++i) Vec::store(acc[g] + W * (Q * part + i), a[g][i]);
     }
   }
-  for (int g = 0; g < G; ++g) {
-    const R inv = Vec::set1(1.0f / total[g]);
-    for (int i = 0; i < NV; ++i) Vec::store(out[g] + W * i, Vec::mul(Vec::load(acc[g] + W * i), inv));
+  for (int m = 0; m < M; ++m)
+    for (int c = 0; c < CW; ++c) Vec::store(s + m * CHUNK + c * Vec::W, Vec::add(even[m][c], odd[m][c]));
+}
+
+// acc[m] = acc[m] * corr[m] + sum over the first n keys u of p[m][u] * v[u], for M rows.
+template <int D, int M, class T>
+void add_values(float* acc, const float* p, const float* corr, const ChunkView<T>& view, int n, const Ahead* ahead) {
+  using R = typename Vec::R;
+  constexpr int NV = D / Vec::W, Q = NV < 4 ? NV : 4;  // Q: value vectors a pass, so M x Q sums stay in registers
+  for (int part = 0; part < NV / Q; ++part) {
+    R a[M][Q];
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < Q; ++i) a[m][i] = Vec::mul(Vec::load(acc + m * D + Vec::W * (Q * part + i)), Vec::set1(corr[m]));
+    for (int u = 0; u < n; ++u) {
+      const T* vrow = view.row(u, D) + Vec::W * Q * part;
+      if (ahead != nullptr && part == 0) fetch(ahead->value, u * ahead->value_step);
+      R v[Q];
+      for (int i = 0; i < Q; ++i) v[i] = Vec::load(vrow + Vec::W * i);
+      for (int m = 0; m < M; ++m) {
+        const R pu = Vec::set1(p[m * CHUNK + u]);
+        for (int i = 0; i < Q; ++i) a[m][i] = Vec::fma(pu, v[i], a[m][i]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int i = 0; i < Q; ++i) Vec::store(acc + m * D + Vec::W * (Q * part + i), a[m][i]);
   }
 }
 
-// The n query heads of one KV head, in groups of up to 3 (the registers' limit), for one token.
+// The score and value loops of one chunk for rows first .. rows - 1, their keys and values read through view.
 template <int D, class T>
-void attend_heads(const float* const* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
-                  float* const* out, int64_t n) {
-  int64_t g = 0;
-  for (; g + 3 <= n; g += 3) attend_group<D, 3>(q + g, keys, values, visible, scale, out + g);
-  if (n - g == 2) attend_group<D, 2>(q + g, keys, values, visible, scale, out + g);
-  if (n - g == 1) attend_group<D, 1>(q + g, keys, values, visible, scale, out + g);
+void chunk_rows(const float* qs, float* acc, float* s, const float* corr, const int64_t* visible, int first, int rows,
+                int64_t t0, const ChunkView<T>& view, const Ahead* ahead, bool values) {
+  constexpr int CW = CHUNK / Vec::W;
+  constexpr int SCORE_ROWS = std::max(1, std::min(6, (Vec::REGS - 8) / (2 * CW)));  // their sums in registers
+  constexpr int VALUE_ROWS = std::min(4, Vec::REGS / 2 / (D / Vec::W < 4 ? D / Vec::W : 4));
+  if (!values) {
+    for (int r = first; r < rows; r += SCORE_ROWS) {
+      switch (std::min(SCORE_ROWS, rows - r)) {  // keys past the history are masked afterwards
+#define KVSERVE_SCORE(m) case m: score_rows<D, m>(qs + r * D, view, s + r * CHUNK, r == first ? ahead : nullptr); break;
+        KVSERVE_SCORE(1) KVSERVE_SCORE(2) KVSERVE_SCORE(3) KVSERVE_SCORE(4) KVSERVE_SCORE(5) KVSERVE_SCORE(6)
+#undef KVSERVE_SCORE
+      }
+    }
+    return;
+  }
+  for (int r = first, m; r < rows; r += m) {  // rows that see as many of the chunk's keys go together
+    const int64_t seen = std::min<int64_t>(CHUNK, visible[r] - t0);
+    for (m = 1; m < VALUE_ROWS && r + m < rows && std::min<int64_t>(CHUNK, visible[r + m] - t0) == seen;) ++m;
+    switch (m) {
+#define KVSERVE_VALUES(k) case k: add_values<D, k>(acc + r * D, s + r * CHUNK, corr + r, view, (int)seen, r == first ? ahead : nullptr); break;
+      KVSERVE_VALUES(1) KVSERVE_VALUES(2) KVSERVE_VALUES(3) KVSERVE_VALUES(4)
+#undef KVSERVE_VALUES
+    }
+  }
+}
+
+// rows query rows (visible[r] keys each, nondecreasing) over one history; see the top of this file.
+template <int D, class T>
+void attend_rows(const float* const* q, float* const* out, const int64_t* visible, int rows, const Paged<T>& keys,
+                 const Paged<T>& values, float scale, Scratch& sc) {
+  using R = typename Vec::R;
+  constexpr int W = Vec::W, CW = CHUNK / W;
+  static_assert(D % W == 0 && CHUNK % W == 0, "rows and chunks are whole vectors");
+  sc.size(rows, D);
+  float *qs = sc.q.data(), *acc = sc.acc.data(), *s = sc.s.data(), *kt = sc.kt.data(), *vb = sc.vb.data();
+  float *top = sc.top.data(), *shift = sc.shift.data(), *corr = sc.corr.data(), *total = sc.total.data();
+  for (int r = 0; r < rows; ++r) {
+    for (int i = 0; i < D; i += W) {
+      Vec::store(qs + r * D + i, Vec::mul(Vec::load(q[r] + i), Vec::set1(scale)));
+      Vec::store(acc + r * D + i, Vec::zero());
+    }
+    top[r] = -INFINITY;
+    total[r] = 0.0f;
+  }
+  // Many rows share each key and value: widen them once. Few read them straight from the blocks, where a
+  // block holds whole vectors of keys.
+  const int64_t B = keys.mask + 1;
+  const bool widened = rows >= WIDEN_ROWS || B < W;
+  ChunkView<float> copy;
+  ChunkView<T> direct;
+  copy.stride = CHUNK, direct.stride = B;
+  for (int c = 0; c < CW; ++c) copy.key[c] = kt + c * W;
+  copy.value[0] = vb, copy.shift = 30, copy.mask = CHUNK - 1;
+  direct.shift = __builtin_ctzll(std::min<int64_t>(B, CHUNK)), direct.mask = (1 << direct.shift) - 1;
+  Ahead ahead;
+  const int64_t block_bytes = B * D * (int64_t)sizeof(T);
+  ahead.key_step = block_bytes / (D / 2), ahead.value_step = block_bytes / CHUNK;
+  const int64_t end = visible[rows - 1];
+  int first = 0;  // rows before it see none of the chunk: they are done
+  for (int64_t t0 = 0; t0 < end; t0 += CHUNK) {
+    while (visible[first] <= t0) ++first;
+    const int n = (int)std::min<int64_t>(CHUNK, end - t0);
+    for (int c = 0; c < CW; ++c) {  // keys past the history's last block are read from its first: masked anyway
+      const int64_t t = t0 + c * W < end ? t0 + c * W : 0;
+      direct.key[c] = keys.blocks[t >> keys.shift] + (t & keys.mask);
+    }
+    for (int64_t t = t0; t < t0 + n; t += direct.mask + 1) direct.value[(t - t0) >> direct.shift] = values.row(t);
+    const int64_t next = t0 + PREFETCH_CHUNKS * CHUNK, second = std::min(next + B, end - 1) >> keys.shift;
+    const Ahead* fetching = next < end ? &ahead : nullptr;
+    if (fetching != nullptr) {
+      ahead.key[0] = reinterpret_cast<const char*>(keys.blocks[next >> keys.shift]);
+      ahead.key[1] = reinterpret_cast<const char*>(keys.blocks[second]);
+      ahead.value[0] = reinterpret_cast<const char*>(values.blocks[next >> keys.shift]);
+      ahead.value[1] = reinterpret_cast<const char*>(values.blocks[second]);
+    }
+    if (widened) {
+      widen(keys, values, t0, n, D, kt, vb);
+      chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, copy, fetching, false);
+    } else {
+      chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, direct, fetching, false);
+    }
+    // The online softmax: rescale what each row has summed by e^(old max - new max).
+    for (int r = first; r < rows; ++r) {
+      float* sr = s + r * CHUNK;
+      std::fill(sr + std::min<int64_t>(CHUNK, visible[r] - t0), sr + CHUNK, -INFINITY);
+      R m = Vec::load(sr);
+      for (int c = 1; c < CW; ++c) m = Vec::max(m, Vec::load(sr + c * W));
+      const float now = std::max(top[r], Vec::hmax(m));
+      shift[r] = top[r] - now;  // -inf on a row's first chunk: exp flushes it to about 0, and its sums are 0
+      top[r] = now;
+    }
+    for (int r = first; r < rows; r += W) Vec::store(corr + r, Vec::exp(Vec::load(shift + r)));
+    for (int r = first; r < rows; ++r) {
+      float* sr = s + r * CHUNK;
+      const R now = Vec::set1(top[r]);
+      R sum = Vec::zero();
+      for (int c = 0; c < CW; ++c) {
+        const R p = Vec::exp(Vec::sub(Vec::load(sr + c * W), now));
+        Vec::store(sr + c * W, p);
+        sum = Vec::add(sum, p);
+      }
+      total[r] = total[r] * corr[r] + Vec::hsum(sum);
+    }
+    if (widened) chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, copy, fetching, true);
+    else chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, direct, fetching, true);
+  }
+  for (int r = 0; r < rows; ++r) {
+    const R inv = Vec::set1(1.0f / total[r]);
+    for (int i = 0; i < D; i += W) Vec::store(out[r] + i, Vec::mul(Vec::load(acc + r * D + i), inv));
+  }
 }

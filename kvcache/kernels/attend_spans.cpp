@@ -3,14 +3,16 @@
 //
 // Op contract, kvcache_native::attend_spans (appends to the pools):
 //   q   [1, H_q, S, D] f32, k [1, H_kv, S, D] f32, v [1, H_kv, S, Dv] f32 (any strides; S is the flat token axis)
-//   k_pools[i] [N, L, H_kv, B, D] contiguous, v_pools[i] [N, L, H_kv, B, Dv]: span i's pool (usually one
-//       pool repeated); every pool float32, or every pool float16 (the math stays float32). B, the block
-//       size, is a power of two of at least 4.
+//   k_pools[i] [N, L, H_kv, D, B] contiguous (keys transposed within a block), v_pools[i] [N, L, H_kv, B, Dv]:
+//       span i's pool (usually one pool repeated); every pool float32, or every pool float16 (the math stays
+//       float32). B, the block size, is a power of two of at least 4.
 //   tables: int64, every span's block ids in history order, concatenated; span i's start at table_starts[i]
 //   offsets[i], sizes[i]: span i owns tokens offsets[i] .. offsets[i] + sizes[i] of the step
 //   lengths[i]: tokens already in span i's history (its k/v land at lengths[i] .. lengths[i] + sizes[i])
 //   returns [1, H_q, S, Dv] f32
 // Token j of a span sees history 0 .. lengths[i] + j (causal, aligned to the end of the history).
+// Why keys are stored transposed: the kernel scores a chunk of keys as vectors over the keys, each lane
+// summing over the head dim in order, which a [D, B] block gives as whole vectors.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,27 +21,63 @@
 #include "attend_spans.h"
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
 using Half = c10::Half;
-constexpr int CHUNK = 32;            // history rows scored, then summed, together (a multiple of 16, the widest vector)
-constexpr int64_t AHEAD = 32;        // how many rows ahead the history is fetched (a multiple of 4)
+constexpr int CHUNK = 32;              // keys scored, then summed, together (a multiple of 16, the widest vector)
+constexpr int64_t PREFETCH_CHUNKS = 1;  // how many chunks ahead the history is fetched
+constexpr auto PREFETCH_HINT = _MM_HINT_T1;
+constexpr int MAX_ROWS = 48;           // query rows (tokens x the heads of a KV head) a job attends together
+constexpr int WIDEN_ROWS = 8;          // from this many rows a job widens each chunk to float32 once for them all
 
-// One (layer, KV head) of a session's history: row t lies in block t / B, at row t % B.
+// One (layer, KV head) of a session's history: token t lies in block t / B, at t % B. A value block is
+// [B, D] (row t % B); a key block [D, B] (column t % B).
 template <class T>
 struct Paged {
-  const T* const* blocks;  // each block's first row for this layer and head, in history order
+  const T* const* blocks;  // each block's start for this layer and head, in history order
   int shift;               // log2(B)
   int64_t mask, D;         // B - 1, row width
   const T* row(int64_t t) const { return blocks[t >> shift] + (t & mask) * D; }
+  float key(int64_t t, int64_t d) const { return static_cast<float>(blocks[t >> shift][d * (mask + 1) + (t & mask)]); }
 };
+
+// A thread's working memory for one job's rows (attend_chunks.h).
+struct Scratch {
+  std::vector<float> q, acc, s, kt, vb, top, shift, corr, total;
+  void size(int rows, int D) {
+    const size_t padded = rows + 16;  // per-row figures are also read a whole vector at a time
+    q.resize(rows * D), acc.resize(rows * D), s.resize(rows * CHUNK), kt.resize(D * CHUNK), vb.resize(CHUNK * D);
+    top.resize(padded), shift.resize(padded), corr.resize(padded), total.resize(padded);
+  }
+};
+
+inline void to_float(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(float* dst, const Half* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Keys t0 .. t0 + n - 1 into kt [D][CHUNK] and their values into vb [CHUNK][D], as float32.
+template <class T>
+void widen(const Paged<T>& keys, const Paged<T>& values, int64_t t0, int n, int64_t D, float* kt, float* vb) {
+  const int64_t B = keys.mask + 1;
+  for (int64_t t = t0; t < t0 + n;) {
+    const int64_t at = t & keys.mask, len = std::min<int64_t>(B - at, t0 + n - t);
+    const T* block = keys.blocks[t >> keys.shift] + at;
+    for (int64_t d = 0; d < D; ++d) to_float(kt + d * CHUNK + (t - t0), block + d * B, len);
+    to_float(vb + (t - t0) * D, values.row(t), len * D);
+    t += len;
+  }
+}
 
 // 8 float lanes: what attend_chunks.h needs of a vector.
 struct Vec8 {
   using R = __m256;
-  static constexpr int W = 8;
+  static constexpr int W = 8, REGS = 16;
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static R load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
@@ -53,10 +91,6 @@ struct Vec8 {
   static R exp(R x) { return kvserve_simd::exp8(x); }
   static float hsum(R x) { return kvserve_simd::hsum(x); }
   static float hmax(R x) { return kvserve_simd::hmax(x); }
-  static __m128 sum4(const R* p) {  // the sums of p[0..4), by a hadd tree
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(p[0], p[1]), _mm256_hadd_ps(p[2], p[3]));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  }
 };
 
 namespace avx2 {
@@ -69,7 +103,7 @@ using Vec = Vec8;
 namespace avx512 {
 struct Vec {
   using R = __m512;
-  static constexpr int W = 16;
+  static constexpr int W = 16, REGS = 32;
   static R load(const float* p) { return _mm512_loadu_ps(p); }
   static R load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
@@ -82,14 +116,19 @@ struct Vec {
   static R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static __m256 lo(R x) { return _mm512_castps512_ps256(x); }
   static __m256 hi(R x) { return _mm512_extractf32x8_ps(x, 1); }
-  static R exp(R x) { return _mm512_insertf32x8(_mm512_castps256_ps512(Vec8::exp(lo(x))), Vec8::exp(hi(x)), 1); }
+  static R exp(R x) {  // kvserve_simd::exp8's steps on 16 lanes
+    x = _mm512_min_ps(_mm512_max_ps(x, set1(-87.3f)), set1(88.3f));
+    const R fx = _mm512_roundscale_ps(fma(x, set1(1.44269504088896341f), set1(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, set1(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, set1(-2.12194440e-4f), x);
+    R y = set1(1.9875691500e-4f);
+    for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) y = fma(y, x, set1(c));
+    y = fma(y, mul(x, x), add(x, set1(1.0f)));
+    const __m512i pow2 = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return mul(y, _mm512_castsi512_ps(pow2));
+  }
   static float hsum(R x) { return _mm512_reduce_add_ps(x); }
   static float hmax(R x) { return _mm512_reduce_max_ps(x); }
-  static __m128 sum4(const R* p) {
-    const __m256 halves[4] = {Vec8::add(lo(p[0]), hi(p[0])), Vec8::add(lo(p[1]), hi(p[1])), Vec8::add(lo(p[2]), hi(p[2])),
-                              Vec8::add(lo(p[3]), hi(p[3]))};
-    return Vec8::sum4(halves);
-  }
 };
 #include "attend_chunks.h"
 }  // namespace avx512
@@ -104,16 +143,15 @@ bool has_avx512() {
   return wide;
 }
 
-// Any head dims: the same math, scalar.
+// Any head dims: the same math, scalar, a row at a time.
 template <class T>
 void attend_one_any(const float* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
                     int64_t D, int64_t Dv, float* out, std::vector<float>& scores) {
   scores.resize(visible);
   float top = -INFINITY;
   for (int64_t t = 0; t < visible; ++t) {
-    const T* krow = keys.row(t);
     float s = 0.0f;
-    for (int64_t i = 0; i < D; ++i) s += q[i] * static_cast<float>(krow[i]);
+    for (int64_t i = 0; i < D; ++i) s += q[i] * keys.key(t, i);
     top = std::max(top, scores[t] = s * scale);
   }
   float total = 0.0f;
@@ -125,11 +163,14 @@ void attend_one_any(const float* q, const Paged<T>& keys, const Paged<T>& values
   }
 }
 
-// Rows [n, D] of float32 -> the cache's element type.
-inline void store_rows(Half* dst, const float* src, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) dst[i] = Half(src[i]);
-}
-inline void store_rows(float* dst, const float* src, int64_t count) { std::memcpy(dst, src, count * sizeof(float)); }
+// Float32 -> the cache's element type.
+inline void store(Half& dst, float x) { dst = Half(x); }
+inline void store(float& dst, float x) { dst = x; }
+
+// One job: the tokens j0 .. j1 - 1 of span i, for the query heads of KV head hk.
+struct Job {
+  int64_t i, hk, j0, j1, cost;
+};
 
 template <class T>
 void append_and_attend(const float* qp, const float* kp, const float* vp, float* op, int64_t layer, float scale,
@@ -137,9 +178,9 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
                        at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
                        at::IntArrayRef sizes, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t Dv) {
   const int64_t n_spans = offsets.size(), group = Hq / Hkv;
-  const int64_t L = k_pools[0].size(1), B = k_pools[0].size(3);
+  const int64_t L = k_pools[0].size(1), B = v_pools[0].size(3);
   const int shift = __builtin_ctzll(B);
-  // Where (block, layer, head) begins in a pool: blocks are [L, H_kv, B, D] each.
+  // Where (block, layer, head) begins in a pool: blocks are [L, H_kv, D, B] (keys) or [L, H_kv, B, Dv] each.
   std::vector<T*> kbase(n_spans), vbase(n_spans);
   for (int64_t i = 0; i < n_spans; ++i) {
     kbase[i] = k_pools[i].data_ptr<T>() + layer * Hkv * B * D;
@@ -151,49 +192,72 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
   for (int64_t i = 0; i < n_spans; ++i)
     for (int64_t j = 0; j < sizes[i]; ++j) {
       const int64_t slot = lengths[i] + j, token = offsets[i] + j;
-      const int64_t block = tables[table_starts[i] + (slot >> shift)], row = slot & (B - 1);
+      const int64_t block = tables[table_starts[i] + (slot >> shift)], at = slot & (B - 1);
       for (int64_t h = 0; h < Hkv; ++h) {
-        store_rows(key_block(i, block, h) + row * D, kp + (h * S + token) * D, D);
-        store_rows(value_block(i, block, h) + row * Dv, vp + (h * S + token) * Dv, Dv);
+        T* key = key_block(i, block, h) + at;
+        const float* k = kp + (h * S + token) * D;
+        for (int64_t d = 0; d < D; ++d) store(key[d * B], k[d]);
+        T* value = value_block(i, block, h) + at * Dv;
+        const float* v = vp + (h * S + token) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) store(value[d], v[d]);
       }
     }
+  // Jobs of up to MAX_ROWS query rows that share a history, costliest (most rows times keys) first, cut into
+  // one run of about equal cost for each thread: a prefill's later tokens see more keys than its first. Runs
+  // keep neighbours together: the KV heads of a block lie side by side, and a thread that reads them in turn
+  // streams them.
+  const int64_t per_job = std::max<int64_t>(1, MAX_ROWS / group), threads = at::get_num_threads();
+  std::vector<Job> jobs;
+  jobs.reserve(n_spans * Hkv);
+  for (int64_t i = 0; i < n_spans; ++i)
+    for (int64_t j0 = 0; j0 < sizes[i]; j0 += per_job) {
+      const int64_t j1 = std::min(sizes[i], j0 + per_job);
+      for (int64_t hk = 0; hk < Hkv; ++hk) jobs.push_back({i, hk, j0, j1, (j1 - j0) * (lengths[i] + j1)});
+    }
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
+  int64_t total = 0;
+  for (const Job& job : jobs) total += job.cost;
+  std::vector<int64_t> cut(threads + 1, (int64_t)jobs.size());
+  cut[0] = 0;
+  for (int64_t n = 0, t = 1, sum = 0; n < (int64_t)jobs.size() && t < threads; ++n) {
+    sum += jobs[n].cost;
+    if (sum * threads >= total * t) cut[t++] = n + 1;
+  }
   const bool wide = has_avx512();
-  // One job per (span, KV head): its query heads share each history row as it is read.
-  at::parallel_for(0, n_spans * Hkv, 1, [&](int64_t begin, int64_t end) {
+  const bool fast = (D == 64 && Dv == 64) || (D == 128 && Dv == 128);
+  at::parallel_for(0, threads, 1, [&](int64_t thread, int64_t) {
+    thread_local Scratch scratch;
     std::vector<float> scores;
-    std::vector<const float*> qs(group);
-    std::vector<float*> os(group);
+    std::vector<const float*> qs;
+    std::vector<float*> os;
+    std::vector<int64_t> visible;
     std::vector<const T*> kblocks, vblocks;
-    for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / Hkv, hk = job % Hkv;
-      const int64_t n_blocks = (lengths[i] + sizes[i] + B - 1) >> shift;
+    for (int64_t at = cut[thread]; at < cut[thread + 1]; ++at) {
+      const Job& job = jobs[at];
+      const int64_t i = job.i, n_blocks = (lengths[i] + job.j1 + B - 1) >> shift;
       kblocks.resize(n_blocks);
       vblocks.resize(n_blocks);
       for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t block = tables[table_starts[i] + b];
-        kblocks[b] = key_block(i, block, hk);
-        vblocks[b] = value_block(i, block, hk);
+        kblocks[b] = key_block(i, block, job.hk);
+        vblocks[b] = value_block(i, block, job.hk);
       }
       const Paged<T> keys{kblocks.data(), shift, B - 1, D}, values{vblocks.data(), shift, B - 1, Dv};
-      if (job + 1 < end) {  // each job's history lies elsewhere in memory: start the next one's first keys now
-        const int64_t ni = (job + 1) / Hkv;
-        const char* next = reinterpret_cast<const char*>(key_block(ni, tables[table_starts[ni]], (job + 1) % Hkv));
-        const int64_t rows = std::min<int64_t>({lengths[ni] + 1, AHEAD, B});
-        for (int64_t b = 0; b < rows * D * (int64_t)sizeof(T); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-      }
-      for (int64_t j = 0; j < sizes[i]; ++j) {
-        const int64_t token = offsets[i] + j, visible = lengths[i] + j + 1;
+      qs.clear(), os.clear(), visible.clear();
+      for (int64_t j = job.j0; j < job.j1; ++j)  // row order: token, then head; visible keys nondecreasing
         for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = hk * group + g;
-          qs[g] = qp + (h * S + token) * D;
-          os[g] = op + (h * S + token) * Dv;
+          const int64_t h = job.hk * group + g, token = offsets[i] + j;
+          qs.push_back(qp + (h * S + token) * D);
+          os.push_back(op + (h * S + token) * Dv);
+          visible.push_back(lengths[i] + j + 1);
         }
-        if (D == 64 && Dv == 64)
-          (wide ? avx512::attend_heads<64, T> : avx2::attend_heads<64, T>)(qs.data(), keys, values, visible, scale, os.data(), group);
-        else if (D == 128 && Dv == 128)
-          (wide ? avx512::attend_heads<128, T> : avx2::attend_heads<128, T>)(qs.data(), keys, values, visible, scale, os.data(), group);
-        else
-          for (int64_t g = 0; g < group; ++g) attend_one_any(qs[g], keys, values, visible, scale, D, Dv, os[g], scores);
+      const int rows = (int)qs.size();
+      if (!fast) {
+        for (int r = 0; r < rows; ++r) attend_one_any(qs[r], keys, values, visible[r], scale, D, Dv, os[r], scores);
+      } else if (D == 64) {
+        (wide ? avx512::attend_rows<64, T> : avx2::attend_rows<64, T>)(qs.data(), os.data(), visible.data(), rows, keys, values, scale, scratch);
+      } else {
+        (wide ? avx512::attend_rows<128, T> : avx2::attend_rows<128, T>)(qs.data(), os.data(), visible.data(), rows, keys, values, scale, scratch);
       }
     }
   });
@@ -221,14 +285,14 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
   const int64_t Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
   const at::ScalarType pool_type = k_pools[0].scalar_type();
   TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf, "pools must be float32 or float16");
-  const int64_t L = k_pools[0].size(1), B = k_pools[0].size(3), n_table = tables.size(0);
+  const int64_t L = k_pools[0].size(1), B = k_pools[0].size(4), n_table = tables.size(0);
   TORCH_CHECK(B >= 4 && (B & (B - 1)) == 0, "the block size must be a power of two, at least 4");
   const int64_t* table = tables.data_ptr<int64_t>();
   for (int64_t i = 0; i < n_spans; ++i) {
     const at::Tensor &kt = k_pools[i], &vt = v_pools[i];
     TORCH_CHECK(kt.dim() == 5 && vt.dim() == 5 && kt.scalar_type() == pool_type && vt.scalar_type() == pool_type &&
-                    kt.is_contiguous() && vt.is_contiguous() && kt.size(1) == L && kt.size(2) == Hkv && kt.size(3) == B &&
-                    kt.size(4) == D && vt.size(0) == kt.size(0) && vt.size(1) == L && vt.size(2) == Hkv &&
+                    kt.is_contiguous() && vt.is_contiguous() && kt.size(1) == L && kt.size(2) == Hkv && kt.size(3) == D &&
+                    kt.size(4) == B && vt.size(0) == kt.size(0) && vt.size(1) == L && vt.size(2) == Hkv &&
                     vt.size(3) == B && vt.size(4) == Dv && layer >= 0 && layer < L,
                 "pool ", i, " does not match the step's dtype, heads, dims, block size or layers");
     const int64_t n_blocks = (lengths[i] + sizes[i] + B - 1) / B;

@@ -136,3 +136,40 @@ def test_bound_step_runs_every_layer_natively_matches_sdpa_and_refuses_out_of_tu
         REGISTRY.set_active(None)
         for key in keys:
             REGISTRY.uninstall(key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype):
+    """Decoded one token a step, prefilled whole, cut into chunks, or beside another session's span: each
+    token's output is the same bits (greedy replies must not depend on the load or the chunking)."""
+    torch.manual_seed(3)
+    if not CacheRegistry().native_attention():
+        pytest.skip("no AVX2 CPU or compiler here")
+    n, history = 70, 37
+    base, other = make_caches([history, 50], Sizing.DYNAMIC, dtype)
+    q, k, v = (torch.randn(LAYERS, 1, h, n, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+    extra = [torch.randn(LAYERS, 1, h, 4, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
+
+    def attend(cuts: list[int], beside: bool = False) -> torch.Tensor:
+        """The span run in steps cut at `cuts` (with another session's 4 tokens first, if beside) -> [L, H_q, n, D]."""
+        cache, neighbour = clone([base, other])
+        outs = []
+        for a, b in zip(cuts, cuts[1:]):
+            spans = [(neighbour, 4), (cache, b - a)] if beside else [(cache, b - a)]
+            step = ActiveStep(spans, native=True)
+            position = torch.cat([torch.arange(c.length, c.length + m) for c, m in spans]).unsqueeze(1)
+            parts = [(*(e[layer] for e in extra),) if beside else None for layer in range(LAYERS)]
+            got = []
+            for layer in range(LAYERS):
+                x = [t[layer][:, :, a:b] for t in (q, k, v)]
+                if beside:
+                    x = [torch.cat((e, t), dim=2) for e, t in zip(parts[layer], x)]
+                got.append(step.attend(*x, position, layer, DIM**-0.5, torch.float32)[:, :, -(b - a):])
+            step.commit()
+            outs.append(torch.cat(got))
+        return torch.cat(outs, dim=2)
+
+    whole = attend([0, n])
+    assert torch.equal(attend(list(range(n + 1))), whole)
+    assert torch.equal(attend([0, 5, 6, 40, n]), whole)
+    assert torch.equal(attend([0, 33, n], beside=True), whole)

@@ -38,10 +38,10 @@ def fake_kv(layers: range, tokens: list[int], start: int) -> tuple[torch.Tensor,
 
 def read_back(pool: BlockPool, table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer's K and V of a block table's first `length` rows: [n_layers, 1, length, 3] each."""
-    def gather(t: torch.Tensor) -> torch.Tensor:
-        rows = t[torch.tensor(table, dtype=torch.long)]  # [nb, L, H, B, D]
+    def gather(rows: torch.Tensor) -> torch.Tensor:  # [nb, L, H, B, D]
         return rows.permute(1, 2, 0, 3, 4).reshape(LAYERS, 1, -1, 3)[:, :, :length]  # [L, H, nb * B, D] -> [L, H, length, D]
-    return gather(pool.k), gather(pool.v)
+    blocks = torch.tensor(table, dtype=torch.long)
+    return gather(pool.k[blocks].transpose(-1, -2)), gather(pool.v[blocks])  # keys are held [D, B] a block
 
 
 class PoolMachine(RuleBasedStateMachine):

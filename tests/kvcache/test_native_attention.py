@@ -158,12 +158,11 @@ def test_a_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype):
             spans = [(neighbour, 4), (cache, b - a)] if beside else [(cache, b - a)]
             step = ActiveStep(spans, native=True)
             position = torch.cat([torch.arange(c.length, c.length + m) for c, m in spans]).unsqueeze(1)
-            parts = [(*(e[layer] for e in extra),) if beside else None for layer in range(LAYERS)]
             got = []
             for layer in range(LAYERS):
-                x = [t[layer][:, :, a:b] for t in (q, k, v)]
-                if beside:
-                    x = [torch.cat((e, t), dim=2) for e, t in zip(parts[layer], x)]
+                x = [t[layer][:, :, a:b] for t in (q, k, v)]  # [1, H, b - a, D] each
+                if beside:  # the other session's tokens first, along the step's token axis
+                    x = [torch.cat((e[layer], t), dim=2) for e, t in zip(extra, x)]
                 got.append(step.attend(*x, position, layer, DIM**-0.5, torch.float32)[:, :, -(b - a):])
             step.commit()
             outs.append(torch.cat(got))

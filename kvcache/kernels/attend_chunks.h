@@ -40,33 +40,36 @@ inline void fetch(const char* const* blocks, int64_t at) {
   _mm_prefetch(blocks[1] + at, PREFETCH_HINT);
 }
 
-// Scores of M rows (queries qs, D floats each, already scaled) against the chunk's keys: each lane sums its
-// key's products over the even and the odd head dims apart, then adds the two (two chains halve the wait on
-// each multiply-add's latency, which a row or two alone would be bound by).
+// Scores of M rows (queries qs, D floats each, already scaled) against the chunk's keys. Each lane sums its
+// key's products over the head dim in Vec::CHAINS chains, dim d in chain d % CHAINS, then adds the chains:
+// with 16 lanes a chunk is 2 vectors, and a row or two alone would wait on each multiply-add's latency; with
+// 8 lanes it is 4, and the registers are better spent on a second row.
 template <int D, int M, class T>
 void score_rows(const float* qs, const ChunkView<T>& view, float* s, const Ahead* ahead) {
   using R = typename Vec::R;
-  constexpr int CW = CHUNK / Vec::W;
-  R even[M][CW], odd[M][CW];
-  for (int m = 0; m < M; ++m)
-    for (int c = 0; c < CW; ++c) even[m][c] = odd[m][c] = Vec::zero();
-  for (int d = 0; d < D; d += 2) {
-    R k0[CW], k1[CW];
-    for (int c = 0; c < CW; ++c) {
-      k0[c] = Vec::load(view.key[c] + d * view.stride);
-      k1[c] = Vec::load(view.key[c] + (d + 1) * view.stride);
-    }
-    if (ahead != nullptr) fetch(ahead->key, d / 2 * ahead->key_step);
-    for (int m = 0; m < M; ++m) {
-      const R q0 = Vec::set1(qs[m * D + d]), q1 = Vec::set1(qs[m * D + d + 1]);
-      for (int c = 0; c < CW; ++c) {
-        even[m][c] = Vec::fma(q0, k0[c], even[m][c]);
-        odd[m][c] = Vec::fma(q1, k1[c], odd[m][c]);
+  constexpr int CW = CHUNK / Vec::W, C = Vec::CHAINS;
+  static_assert(D % C == 0, "the chains split the head dim evenly");
+  R acc[C][M][CW];
+  for (int h = 0; h < C; ++h)
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < CW; ++c) acc[h][m][c] = Vec::zero();
+  for (int d = 0; d < D; d += C) {
+    R k[C][CW];
+    for (int h = 0; h < C; ++h)
+      for (int c = 0; c < CW; ++c) k[h][c] = Vec::load(view.key[c] + (d + h) * view.stride);
+    if (ahead != nullptr) fetch(ahead->key, d / C * ahead->key_step);
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < C; ++h) {
+        const R q = Vec::set1(qs[m * D + d + h]);
+        for (int c = 0; c < CW; ++c) acc[h][m][c] = Vec::fma(q, k[h][c], acc[h][m][c]);
       }
-    }
   }
   for (int m = 0; m < M; ++m)
-    for (int c = 0; c < CW; ++c) Vec::store(s + m * CHUNK + c * Vec::W, Vec::add(even[m][c], odd[m][c]));
+    for (int c = 0; c < CW; ++c) {
+      R total = acc[0][m][c];
+      for (int h = 1; h < C; ++h) total = Vec::add(total, acc[h][m][c]);
+      Vec::store(s + m * CHUNK + c * Vec::W, total);
+    }
 }
 
 // acc[m] = acc[m] * corr[m] + sum over the first n keys u of p[m][u] * v[u], for M rows.
@@ -98,7 +101,7 @@ template <int D, class T>
 void chunk_rows(const float* qs, float* acc, float* s, const float* corr, const int64_t* visible, int first, int rows,
                 int64_t t0, const ChunkView<T>& view, const Ahead* ahead, bool values) {
   constexpr int CW = CHUNK / Vec::W;
-  constexpr int SCORE_ROWS = std::max(1, std::min(6, (Vec::REGS - 8) / (2 * CW)));  // their sums in registers
+  constexpr int SCORE_ROWS = std::max(1, std::min(6, (Vec::REGS - 8) / (Vec::CHAINS * CW)));  // their sums in registers
   constexpr int VALUE_ROWS = std::min(4, Vec::REGS / 2 / (D / Vec::W < 4 ? D / Vec::W : 4));
   if (!values) {
     for (int r = first; r < rows; r += SCORE_ROWS) {
@@ -151,7 +154,7 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* visibl
   direct.shift = __builtin_ctzll(std::min<int64_t>(B, CHUNK)), direct.mask = (1 << direct.shift) - 1;
   Ahead ahead;
   const int64_t block_bytes = B * D * (int64_t)sizeof(T);
-  ahead.key_step = block_bytes / (D / 2), ahead.value_step = block_bytes / CHUNK;
+  ahead.key_step = block_bytes / (D / Vec::CHAINS), ahead.value_step = block_bytes / CHUNK;
   const int64_t end = visible[rows - 1];
   int first = 0;  // rows before it see none of the chunk: they are done
   for (int64_t t0 = 0; t0 < end; t0 += CHUNK) {

@@ -12,7 +12,7 @@ using Half = c10::Half;
 
 struct Vec8 {
   using R = __m256;
-  static constexpr int W = 8, REGS = 16;
+  static constexpr int W = 8, REGS = 16, CHAINS = 1;  // CHAINS: see score_rows
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static R load(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
@@ -32,7 +32,7 @@ struct Vec8 {
 #pragma GCC target("avx512f,avx512dq")
 struct Vec16 {
   using R = __m512;
-  static constexpr int W = 16, REGS = 32;
+  static constexpr int W = 16, REGS = 32, CHAINS = 2;
   static R load(const float* p) { return _mm512_loadu_ps(p); }
   static R load(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static void store(float* p, R x) { _mm512_storeu_ps(p, x); }

@@ -96,24 +96,25 @@ void add_values(float* acc, const float* p, const float* corr, const ChunkView<T
   }
 }
 
-// The score and value loops of one chunk for rows first .. rows - 1, their keys and values read through view.
+// The scores of rows first .. rows - 1 against one chunk, SCORE_ROWS rows at a time (their sums in registers).
 template <int D, class T>
-void chunk_rows(const float* qs, float* acc, float* s, const float* corr, const int64_t* visible, int first, int rows,
-                int64_t t0, const ChunkView<T>& view, const Ahead* ahead, bool values) {
-  constexpr int CW = CHUNK / Vec::W;
-  constexpr int SCORE_ROWS = std::max(1, std::min(6, (Vec::REGS - 8) / (Vec::CHAINS * CW)));  // their sums in registers
-  constexpr int VALUE_ROWS = std::min(4, Vec::REGS / 2 / (D / Vec::W < 4 ? D / Vec::W : 4));
-  if (!values) {
-    for (int r = first; r < rows; r += SCORE_ROWS) {
-      switch (std::min(SCORE_ROWS, rows - r)) {  // keys past the history are masked afterwards
+void score_chunk(const float* qs, float* s, int first, int rows, const ChunkView<T>& view, const Ahead* ahead) {
+  constexpr int SCORE_ROWS = std::max(1, std::min(6, (Vec::REGS - 8) / (Vec::CHAINS * (CHUNK / Vec::W))));
+  for (int r = first; r < rows; r += SCORE_ROWS) {
+    switch (std::min(SCORE_ROWS, rows - r)) {  // keys past the history are masked afterwards
 #define KVSERVE_SCORE(m) case m: score_rows<D, m>(qs + r * D, view, s + r * CHUNK, r == first ? ahead : nullptr); break;
-        KVSERVE_SCORE(1) KVSERVE_SCORE(2) KVSERVE_SCORE(3) KVSERVE_SCORE(4) KVSERVE_SCORE(5) KVSERVE_SCORE(6)
+      KVSERVE_SCORE(1) KVSERVE_SCORE(2) KVSERVE_SCORE(3) KVSERVE_SCORE(4) KVSERVE_SCORE(5) KVSERVE_SCORE(6)
 #undef KVSERVE_SCORE
-      }
     }
-    return;
   }
-  for (int r = first, m; r < rows; r += m) {  // rows that see as many of the chunk's keys go together
+}
+
+// The chunk's values added to rows first .. rows - 1, up to VALUE_ROWS rows at a time that see as many of its keys.
+template <int D, class T>
+void value_chunk(float* acc, const float* s, const float* corr, const int64_t* visible, int first, int rows, int64_t t0,
+                 const ChunkView<T>& view, const Ahead* ahead) {
+  constexpr int VALUE_ROWS = std::min(4, Vec::REGS / 2 / (D / Vec::W < 4 ? D / Vec::W : 4));
+  for (int r = first, m; r < rows; r += m) {
     const int64_t seen = std::min<int64_t>(CHUNK, visible[r] - t0);
     for (m = 1; m < VALUE_ROWS && r + m < rows && std::min<int64_t>(CHUNK, visible[r + m] - t0) == seen;) ++m;
     switch (m) {
@@ -175,9 +176,9 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* visibl
     }
     if (widened) {
       widen(keys, values, t0, n, D, kt, vb);
-      chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, copy, fetching, false);
+      score_chunk<D>(qs, s, first, rows, copy, fetching);
     } else {
-      chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, direct, fetching, false);
+      score_chunk<D>(qs, s, first, rows, direct, fetching);
     }
     // The online softmax: rescale what each row has summed by e^(old max - new max).
     for (int r = first; r < rows; ++r) {
@@ -201,8 +202,8 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* visibl
       }
       total[r] = total[r] * corr[r] + Vec::hsum(sum);
     }
-    if (widened) chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, copy, fetching, true);
-    else chunk_rows<D>(qs, acc, s, corr, visible, first, rows, t0, direct, fetching, true);
+    if (widened) value_chunk<D>(acc, s, corr, visible, first, rows, t0, copy, fetching);
+    else value_chunk<D>(acc, s, corr, visible, first, rows, t0, direct, fetching);
   }
   for (int r = 0; r < rows; ++r) {
     const R inv = Vec::set1(1.0f / total[r]);

@@ -13,6 +13,9 @@ BUILD_KERNELS := $(BIN)/kvserve kernels || echo "kernels unavailable: falling ba
 # --no-compile: byte-compiling all of torch at install costs more than compiling, on first import, the
 # modules that are used
 PIP_INSTALL := $(BIN)/pip install -q --no-compile
+# ...which needs Python to keep what it compiles: a shell with PYTHONDONTWRITEBYTECODE set would compile
+# the source of every module the server imports at each start, and start-up would take twice as long
+unexport PYTHONDONTWRITEBYTECODE
 STAMP_RUN := $(VENV)/.installed
 STAMP_TEST := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench

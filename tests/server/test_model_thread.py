@@ -32,24 +32,23 @@ def test_the_model_thread_keeps_every_core_and_the_loop_thread_none():
 # allocates, writes and frees a step-sized buffer that grows by 64 KB a step, as a step's logits and
 # activations vary with its tokens: with glibc's defaults each one is a new mapping, faulted in anew.
 FAULTS = """
-import json, resource, sys, torch
+import resource, sys, torch
 from server.engine.model_thread import keep_step_buffers
 if sys.argv[1] == "keep":
     assert keep_step_buffers()
 torch.set_num_threads(1)  # every page is touched on this thread, which RUSAGE_THREAD counts
 def step(i):
     torch.ones((16 << 18) + i * (16 << 10)).add_(1)
-for i in range(4):
+for i in range(8):  # kept, the heap grows to fit over the first few
     step(i)
 before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-for i in range(4, 14):
+for i in range(8, 18):
     step(i)
-print(json.dumps(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before))
+print(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
 """
 
 
 def test_step_sized_buffers_are_reused_not_faulted_in_afresh():
-    import json
     import platform
     import subprocess
     import sys
@@ -60,10 +59,9 @@ def test_step_sized_buffers_are_reused_not_faulted_in_afresh():
     def faults(mode: str) -> int:
         done = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+        return int(done.stdout)
 
     pages = (16 << 20) // 4096  # one 16 MB buffer's pages
     default, kept = faults("default"), faults("keep")
     assert default > 5 * pages, f"{default} page faults with glibc's defaults: the workload no longer shows the difference"
-    # kept: the heap grows once or twice in the first steps, then its pages are reused
-    assert kept < 3 * pages, f"{kept} page faults for 10 steps of 16 MB: the pages were not reused (defaults: {default})"
+    assert kept < 1000, f"{kept} page faults for 10 steps of 16 MB: the pages were not reused (defaults: {default})"

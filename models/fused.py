@@ -1,15 +1,15 @@
 """Native (C++/AVX2) stand-ins for the decoder's modules, swapped in for the fast weight modes.
 
 Each replaces a module of llama.py with kvserve_native ops computing the same float32 math, so a
-layer dispatches ~12 ops instead of ~45, or 3 for a q4 block (at batch 1 each dispatch rivals a
-small matmul).
+layer dispatches ~12 ops instead of ~45, and a q4 decoder one op a step for all its layers (at batch 1
+each dispatch rivals a small matmul).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .llama import Block, QKVRotary, RMSNorm, SwiGLU
+from .llama import Block, Layers, QKVRotary, RMSNorm, SwiGLU
 from .quant import LinearBlocks
 
 
@@ -42,36 +42,55 @@ class NativeSwiGLU(nn.Module):
         return torch.ops.kvserve_native.silu_mul(gate_up)
 
 
-class NativeBlock(nn.Module):
-    """A Block whose four projections are q4: kvserve_native::block_head, the attention op, block_tail."""
+class NativeDecoder(nn.Module):
+    """The decoder's Layers, every projection q4: one kvserve_native::decoder_q4 call a step, which runs
+    each layer's attention through kvcache::update_and_attend (models/kernels/block.cpp)."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, layers: Layers) -> None:
         super().__init__()
-        attn, mlp = block.self_attn, block.mlp
-        self.layer_id, self.head_dim = attn.layer_id, attn.head_dim
-        self.n_heads, self.n_kv_heads = attn.rotary.n_heads, attn.rotary.n_kv_heads
-        self.eps = block.input_layernorm.eps
-        self.input_norm, self.post_norm = block.input_layernorm.weight, block.post_attention_layernorm.weight
-        self.qkv_bias = attn.qkv_proj.bias
-        for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-            self.register_buffer(name, linear.packed)
+        first = layers[0]
+        self.head_dim = first.self_attn.head_dim
+        self.n_heads, self.n_kv_heads = first.self_attn.rotary.n_heads, first.self_attn.rotary.n_kv_heads
+        self.eps = first.input_layernorm.eps
+        # Each weight a buffer of its own (so export lifts it, and the artifact stores it once), named in
+        # the order decoder_q4 takes them.
+        self.weight_names, self.bias_names = [], []
+        for i, block in enumerate(layers):
+            assert block.self_attn.layer_id == i, "layers run in the order of their ids"
+            attn, mlp = block.self_attn, block.mlp
+            for part, tensor in (("input_norm", block.input_layernorm.weight), ("qkv", attn.qkv_proj.packed),
+                                 ("o", attn.o_proj.packed), ("post_norm", block.post_attention_layernorm.weight),
+                                 ("gate_up", mlp.gate_up_proj.packed), ("down", mlp.down_proj.packed)):
+                self.register_buffer(f"{part}_{i}", tensor)
+                self.weight_names.append(f"{part}_{i}")
+            if attn.qkv_proj.bias is not None:
+                self.register_buffer(f"qkv_bias_{i}", attn.qkv_proj.bias)
+                self.bias_names.append(f"qkv_bias_{i}")
 
     @staticmethod
-    def fits(block: Block) -> bool:
-        attn, mlp = block.self_attn, block.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms_agree = block.input_layernorm.eps == block.post_attention_layernorm.eps
-        return norms_agree and all(isinstance(m, LinearBlocks) and m.fmt == "q4" for m in linears) and all(
-            m.bias is None for m in linears[1:]
-        )
+    def fits(layers: nn.Module) -> bool:
+        """Layers whose blocks are alike: q4 projections, the attention's without bias but for qkv (in all
+        or none), one norm eps."""
+        if not isinstance(layers, Layers) or len(layers) == 0 or not all(isinstance(b, Block) for b in layers):
+            return False
+        first = layers[0]
+        eps, heads = first.input_layernorm.eps, (first.self_attn.rotary.n_heads, first.self_attn.rotary.n_kv_heads)
+        biased = first.self_attn.qkv_proj.bias is not None
+        for block in layers:
+            attn, mlp = block.self_attn, block.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not (all(isinstance(m, LinearBlocks) and m.fmt == "q4" for m in linears)
+                    and all(m.bias is None for m in linears[1:]) and (attn.qkv_proj.bias is not None) == biased
+                    and block.input_layernorm.eps == block.post_attention_layernorm.eps == eps
+                    and (attn.rotary.n_heads, attn.rotary.n_kv_heads) == heads and attn.head_dim == first.self_attn.head_dim):
+                return False
+        return True
 
     def forward(self, x, positions, cos, sin):
-        q, k, v = torch.ops.kvserve_native.block_head(
-            x, self.input_norm, self.qkv, self.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads, self.eps
-        )  # [1, H, n, D] each
-        out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.head_dim**-0.5, x.dtype)
-        return torch.ops.kvserve_native.block_tail(
-            x, out, self.o, self.post_norm, self.gate_up, self.down, self.eps
+        weights = [getattr(self, name) for name in self.weight_names]
+        biases = [getattr(self, name) for name in self.bias_names]
+        return torch.ops.kvserve_native.decoder_q4(
+            x, positions, cos, sin, weights, biases, self.n_heads, self.n_kv_heads, self.eps, self.head_dim**-0.5
         )
 
 
@@ -79,14 +98,14 @@ _NATIVE = {RMSNorm: NativeRMSNorm, QKVRotary: NativeQKVRotary, SwiGLU: lambda _:
 
 
 def use_native_modules(model: nn.Module) -> nn.Module:
-    """Swap q4 Blocks for NativeBlock, and elsewhere RMSNorm, QKVRotary and SwiGLU for their native ops
+    """Swap q4 Layers for NativeDecoder, and elsewhere RMSNorm, QKVRotary and SwiGLU for their native ops
     (float32 models; kernels loaded)."""
     swapped: list[str] = []
     for name, child in list(model.named_modules()):
         if not name or any(name.startswith(prefix + ".") for prefix in swapped):
             continue
-        if isinstance(child, Block) and NativeBlock.fits(child):
-            model.set_submodule(name, NativeBlock(child))
+        if NativeDecoder.fits(child):
+            model.set_submodule(name, NativeDecoder(child))
             swapped.append(name)
         elif (native := _NATIVE.get(type(child))) is not None:
             model.set_submodule(name, native(child))

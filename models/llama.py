@@ -126,6 +126,15 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Layers(nn.ModuleList):
+    """The decoder's blocks, run in order (one module, so the fast weight modes can swap the whole stack)."""
+
+    def forward(self, x, positions, cos, sin):
+        for layer in self:
+            x = layer(x, positions, cos, sin)
+        return x
+
+
 class Transformer(nn.Module):
     """Decoder over a flat step of tokens from many sessions; returns logits for the sampled rows only."""
 
@@ -133,7 +142,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.layers = Layers(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -150,7 +159,6 @@ class Transformer(nn.Module):
         angles = positions.float() * self.inv_freq  # [n, D/2]
         angles = torch.cat((angles, angles), dim=-1)  # [n, D]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for layer in self.layers:
-            x = layer(x, positions, cos, sin)
+        x = self.layers(x, positions, cos, sin)  # [1, n, dim]
         x = x[0].index_select(0, logits_indices)  # [m, dim]
         return self.lm_head(self.norm(x)).float()

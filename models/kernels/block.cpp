@@ -1,14 +1,18 @@
-// A q4 decoder block as two ops around its attention, so a layer dispatches three ops instead of ~13:
-// at batch 1 each dispatch from the exported graph costs as much as a small matmul.
+// The q4 decoder's layers as one op: the exported graph calls it once a step where it would call three
+// ops a layer, and each call from the graph (Python, argument conversion, the GIL taken back after it)
+// costs about as much as a small matmul at batch 1. Every layer still attends through
+// kvcache::update_and_attend, called here through the dispatcher: the cache contract is the graph's.
 //
-// Op contracts (kvserve_native::*, float32, weights as the panels linear_q4 takes; each one's row count
-// follows from the shapes: qkv (Hq + 2 Hkv) D, o and down C, gate_up twice down's K):
-//   block_head(x [1, n, C], norm_w [C], qkv_w, qkv_bias [(Hq + 2 Hkv) D] or None, cos [n, D],
-//              sin [n, D], Hq, Hkv, eps) -> q [1, Hq, n, D], k [1, Hkv, n, D], v [1, Hkv, n, D]
-//       rope_qkv(linear_q4(rms_norm(x)) + qkv_bias)
-//   block_tail(x [1, n, C], attn [1, Hq, n, Dv], o_w, norm_w [C], gate_up_w, down_w, eps) -> [1, n, C]
-//       h = x + linear_q4(attn as [1, n, Hq Dv]); h + linear_q4(silu_mul(linear_q4(rms_norm(h))))
-// The parts are the registered ops of quant_matmul.cpp and fused.cpp, called through the dispatcher.
+// Op contract (kvserve_native::decoder_q4, float32, weights as the panels linear_q4 takes):
+//   decoder_q4(x [1, n, C], positions [n, 1], cos [n, D], sin [n, D], weights, qkv_biases, Hq, Hkv, eps, scale)
+//       -> [1, n, C]
+//   weights: six a layer, in layer order: input norm [C], qkv, o, post-attention norm [C], gate_up, down;
+//   qkv_biases: none, or one [(Hq + 2 Hkv) D] a layer. Layer l runs
+//       q, k, v = rope_qkv(linear_q4(rms_norm(x)) + qkv_bias)        (head)
+//       a = kvcache::update_and_attend(q, k, v, positions, l, scale)
+//       h = x + linear_q4(a as [1, n, Hq Dv]); x = h + linear_q4(silu_mul(linear_q4(rms_norm(h))))   (tail)
+// The parts are the registered ops of quant_matmul.cpp and fused.cpp, called through the dispatcher; each
+// linear's row count follows from the shapes: qkv (Hq + 2 Hkv) D, o and down C, gate_up twice down's K.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -56,32 +60,39 @@ Tensor block_tail(const Tensor& x, const Tensor& attn, const Tensor& o_w, const 
   return out.add_(h);
 }
 
-// Shapes only, for tracing and export (symbolic token counts).
-QKV block_head_meta(const Tensor& x, const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                    const Tensor& cos, const Tensor&, int64_t Hq, int64_t Hkv, double) {
-  const c10::SymInt n = x.sym_size(1), D = cos.sym_size(1);
-  return {at::empty_symint({1, Hq, n, D}, x.options()), at::empty_symint({1, Hkv, n, D}, x.options()),
-          at::empty_symint({1, Hkv, n, D}, x.options())};
+constexpr int64_t WEIGHTS_A_LAYER = 6;
+
+Tensor decoder_q4(const Tensor& x_in, const Tensor& positions, const Tensor& cos, const Tensor& sin, at::TensorList weights,
+                  at::TensorList qkv_biases, int64_t Hq, int64_t Hkv, double eps, double scale) {
+  using Attend = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double, at::ScalarType);
+  static const auto attend = op<Attend>("kvcache::update_and_attend");
+  const int64_t L = static_cast<int64_t>(weights.size()) / WEIGHTS_A_LAYER;
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * WEIGHTS_A_LAYER, "decoder_q4 takes six weights a layer");
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == L, "decoder_q4 takes no qkv bias or one a layer");
+  Tensor x = x_in;
+  for (int64_t l = 0; l < L; ++l) {
+    const Tensor* w = weights.data() + l * WEIGHTS_A_LAYER;
+    const std::optional<Tensor> bias = qkv_biases.empty() ? std::nullopt : std::optional<Tensor>(qkv_biases[l]);
+    const auto [q, k, v] = block_head(x, w[0], w[1], bias, cos, sin, Hq, Hkv, eps);  // [1, H, n, D] each
+    const Tensor attn = attend.call(q, k, v, positions, l, scale, x.scalar_type());  // [1, Hq, n, Dv]
+    x = block_tail(x, attn, w[2], w[3], w[4], w[5], eps);  // [1, n, C]
+  }
+  return x;
 }
 
-Tensor block_tail_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double) {
+// Shapes only, for tracing and export (symbolic token counts).
+Tensor decoder_q4_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, at::TensorList, at::TensorList, int64_t,
+                       int64_t, double, double) {
   return at::empty_like(x);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_native, m) {
-  m.def("block_head(Tensor x, Tensor norm_w, Tensor qkv_w, Tensor? qkv_bias, Tensor cos, Tensor sin, int n_heads, "
-        "int n_kv_heads, float eps) -> (Tensor, Tensor, Tensor)");
-  m.def("block_tail(Tensor x, Tensor attn, Tensor o_w, Tensor norm_w, Tensor gate_up_w, Tensor down_w, float eps) -> Tensor");
+  m.def("decoder_q4(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] qkv_biases, "
+        "int n_heads, int n_kv_heads, float eps, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
-  m.impl("block_head", &block_head);
-  m.impl("block_tail", &block_tail);
-}
+TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) { m.impl("decoder_q4", &decoder_q4); }
 
-TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) {
-  m.impl("block_head", &block_head_meta);
-  m.impl("block_tail", &block_tail_meta);
-}
+TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) { m.impl("decoder_q4", &decoder_q4_meta); }

@@ -4,9 +4,10 @@ import torch
 
 from models.block_quant import dequantize, panel_rows, quantize_q4, quantize_q8, to_panels
 from kvcache import REGISTRY, CacheConfig, SessionCache
+from kvcache.errors import NoActiveCache, PositionMismatch
 from models.config import ModelConfig
-from models.fused import NativeBlock, NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
-from models.llama import Block, QKVRotary, RMSNorm, SwiGLU
+from models.fused import NativeDecoder, NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
+from models.llama import Block, Layers, QKVRotary, RMSNorm, SwiGLU
 from models.quant import LinearBlocks, convert_linears, model_kernels_available
 
 pytestmark = pytest.mark.skipif(not model_kernels_available(), reason="no AVX2 CPU or compiler here")
@@ -92,31 +93,63 @@ def test_fused_modules_match_the_model_math():
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 6])  # one tile, then two
-def test_native_block_matches_the_block_it_replaces(qkv_bias, rows):
+def test_native_decoder_matches_the_layers_it_replaces(qkv_bias, rows):
     torch.manual_seed(rows)
-    config = ModelConfig(architecture="llama", n_layers=1, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+    config = ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
                          vocab_size=64, rope_theta=10000.0, qkv_bias=qkv_bias, max_context=64)
-    block = convert_linears(Block(config, 0), "q4").eval()
-    for norm in (block.input_layernorm, block.post_attention_layernorm):
-        norm.weight.data.normal_()
-    native = NativeBlock(block)
-    assert NativeBlock.fits(block)
+    layers = Layers(convert_linears(Block(config, i), "q4").eval() for i in range(2))
+    for block in layers:
+        for norm in (block.input_layernorm, block.post_attention_layernorm):
+            norm.weight.data.normal_()
+    assert NativeDecoder.fits(layers)
+    native = NativeDecoder(layers)
     x = torch.randn(1, rows, 128)
     positions = torch.arange(3, 3 + rows).unsqueeze(1)  # [rows, 1], continuing a 3-token history
     angles = positions.float() * torch.rand(16)
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
     history = torch.randn(1, 3, 128)  # the same 3-token history in both caches
-    outs = []
-    for name, module in (("block", block), ("native", native)):
-        key = f"native-block-{name}"
-        REGISTRY.install(key, SessionCache(CacheConfig(1, 2, 32, capacity=16)))
+    outs, lengths = [], []
+    for name, module in (("layers", layers), ("native", native)):
+        key = f"native-decoder-{name}"
+        REGISTRY.install(key, SessionCache(CacheConfig(2, 2, 32, capacity=16)))
         with torch.no_grad():
             with REGISTRY.active(key):
                 module(history, torch.arange(3).unsqueeze(1), cos[:1].expand(3, -1), sin[:1].expand(3, -1))
             with REGISTRY.active(key):
                 outs.append(module(x, positions, cos, sin))
+        lengths.append(REGISTRY.get(key).length)
         REGISTRY.uninstall(key)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
+    assert lengths == [3 + rows, 3 + rows]  # both forwards attended through the caches and were committed
+
+
+def test_native_decoder_passes_on_the_caches_typed_errors():
+    config = ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+                         vocab_size=64, rope_theta=10000.0, max_context=64)
+    native = NativeDecoder(Layers(convert_linears(Block(config, i), "q4").eval() for i in range(2)))
+    cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
+    REGISTRY.install("native-decoder-errors", SessionCache(CacheConfig(2, 2, 32, capacity=16)))
+    try:
+        with torch.no_grad():
+            with REGISTRY.active("native-decoder-errors"):
+                native(torch.randn(1, 1, 128), torch.tensor([[0]]), cos, sin)
+            with pytest.raises(PositionMismatch), REGISTRY.active("native-decoder-errors"):
+                native(torch.randn(1, 1, 128), torch.tensor([[5]]), cos, sin)  # the history holds 1 token, not 5
+            assert REGISTRY.get("native-decoder-errors").length == 1  # the refused step changed nothing
+        with pytest.raises(NoActiveCache):
+            native(torch.randn(1, 1, 128), torch.tensor([[1]]), cos, sin)
+    finally:
+        REGISTRY.uninstall("native-decoder-errors")
+
+
+def test_native_decoder_takes_only_alike_q4_layers():
+    config = ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+                         vocab_size=64, rope_theta=10000.0, max_context=64)
+    q4 = [convert_linears(Block(config, i), "q4") for i in range(2)]
+    assert NativeDecoder.fits(Layers(q4))
+    assert not NativeDecoder.fits(Layers([q4[0], convert_linears(Block(config, 1), "f16")]))
+    assert not NativeDecoder.fits(Layers([q4[0], Block(config, 1)]))  # float32 projections
+    assert not NativeDecoder.fits(Layers())
 
 
 def test_kernels_are_built_with_openmp():

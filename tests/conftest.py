@@ -1,6 +1,14 @@
 """Shared fixtures: the real SmolLM2 model, tiny random HF checkpoints, and live servers."""
 from __future__ import annotations
 
+import os
+
+# Before torch loads libgomp, which reads it once: an OpenMP thread waiting at a barrier spins this many
+# rounds, then sleeps. `make test` runs two workers, each with a server whose two threads spin, on a
+# 2-core machine; at libgomp's default a thread spins out its whole time slice while the thread it waits
+# for is off the CPU, and a one-token step took a second.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 import json
 from pathlib import Path
 

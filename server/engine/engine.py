@@ -227,8 +227,7 @@ class Engine(SessionOps):
 
     def _step(self) -> None:
         with self.lock:
-            batch = self.scheduler.schedule()
-            self._update_gauges()
+            batch = self.scheduler.schedule()  # the gauges follow at the step's end (_observe_finished)
             if not batch:
                 self._wake.clear()
                 self._observe_finished()  # requests cancelled while waiting

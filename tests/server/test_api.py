@@ -199,7 +199,7 @@ def test_a_stop_string_leaves_the_session_exactly_at_the_stop(fast_server):
     # must still hold the history up to the stop, and continue from there as if nothing else was sampled.
     url = fast_server.url
     prompt = "Count: one, two, three, four, five, six,"
-    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}).json()
+    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 12, "details": True}}, timeout=120).json()
     pieces = [t["text"] for t in r["details"]["tokens"]]
     checked = 0
     for k in range(3, 12):
@@ -209,7 +209,7 @@ def test_a_stop_string_leaves_the_session_exactly_at_the_stop(fast_server):
         plain, cut = (httpx.post(url + "/v1/sessions", json={}).json()["id"] for _ in range(2))
         gen(url, prompt, k, session=plain)
         body = {"inputs": prompt, "session_id": cut, "parameters": {"max_new_tokens": k + 1, "details": True, "stop": [stop]}}
-        out = httpx.post(url + "/generate", json=body).json()
+        out = httpx.post(url + "/generate", json=body, timeout=120).json()
         assert out["details"]["finish_reason"] == "stop_sequence" and out["details"]["generated_tokens"] == k
         assert out["generated_text"] == "".join(pieces[: k - 2])
         lengths = [httpx.get(f"{url}/v1/sessions/{sid}").json()["length"] for sid in (plain, cut)]
@@ -226,7 +226,7 @@ def test_a_stop_seen_after_the_engine_ended_still_cuts_the_session(fast_server):
     # read the token that completes the stop string, so the cut is made on the idle session.
     engine, url = fast_server.engine, fast_server.url
     prompt = "Count: one, two, three, four, five, six,"
-    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True}}).json()
+    r = httpx.post(url + "/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 8, "details": True}}, timeout=120).json()
     pieces = [t["text"] for t in r["details"]["tokens"]]
     k = next(k for k in range(3, 8) if pieces[k - 1].strip() and "".join(pieces[:k]).find(pieces[k - 1]) == len("".join(pieces[: k - 1])))
     session = engine.create_session(None, None, None)

@@ -91,13 +91,21 @@ def test_fused_modules_match_the_model_math():
     torch.testing.assert_close(NativeSwiGLU()(gate_up), SwiGLU()(gate_up), atol=1e-5, rtol=1e-5)
 
 
+def tiny_config(qkv_bias: bool = False) -> ModelConfig:
+    return ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
+                       vocab_size=64, rope_theta=10000.0, qkv_bias=qkv_bias, max_context=64)
+
+
+def q4_layers(qkv_bias: bool = False) -> Layers:
+    """Two q4 blocks of a tiny Llama, as a decoder stack."""
+    return Layers(convert_linears(Block(tiny_config(qkv_bias), i), "q4").eval() for i in range(2))
+
+
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 6])  # one tile, then two
 def test_native_decoder_matches_the_layers_it_replaces(qkv_bias, rows):
     torch.manual_seed(rows)
-    config = ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
-                         vocab_size=64, rope_theta=10000.0, qkv_bias=qkv_bias, max_context=64)
-    layers = Layers(convert_linears(Block(config, i), "q4").eval() for i in range(2))
+    layers = q4_layers(qkv_bias)
     for block in layers:
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             norm.weight.data.normal_()
@@ -124,9 +132,7 @@ def test_native_decoder_matches_the_layers_it_replaces(qkv_bias, rows):
 
 
 def test_native_decoder_passes_on_the_caches_typed_errors():
-    config = ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
-                         vocab_size=64, rope_theta=10000.0, max_context=64)
-    native = NativeDecoder(Layers(convert_linears(Block(config, i), "q4").eval() for i in range(2)))
+    native = NativeDecoder(q4_layers())
     cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
     REGISTRY.install("native-decoder-errors", SessionCache(CacheConfig(2, 2, 32, capacity=16)))
     try:
@@ -143,12 +149,10 @@ def test_native_decoder_passes_on_the_caches_typed_errors():
 
 
 def test_native_decoder_takes_only_alike_q4_layers():
-    config = ModelConfig(architecture="llama", n_layers=2, dim=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=256,
-                         vocab_size=64, rope_theta=10000.0, max_context=64)
-    q4 = [convert_linears(Block(config, i), "q4") for i in range(2)]
-    assert NativeDecoder.fits(Layers(q4))
-    assert not NativeDecoder.fits(Layers([q4[0], convert_linears(Block(config, 1), "f16")]))
-    assert not NativeDecoder.fits(Layers([q4[0], Block(config, 1)]))  # float32 projections
+    q4 = q4_layers()
+    assert NativeDecoder.fits(q4)
+    assert not NativeDecoder.fits(Layers([q4[0], convert_linears(Block(tiny_config(), 1), "f16")]))
+    assert not NativeDecoder.fits(Layers([q4[0], Block(tiny_config(), 1)]))  # float32 projections
     assert not NativeDecoder.fits(Layers())
 
 

@@ -178,14 +178,16 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
   }
   const bool wide = has_avx512();
   const bool fast = (D == 64 && Dv == 64) || (D == 128 && Dv == 128);
-  at::parallel_for(0, threads, 1, [&](int64_t thread, int64_t) {
+  // A call may be handed more than one run (torch runs the whole range on this thread when it will not
+  // start a team, and a team may be smaller than the count asked for): every run handed over is done.
+  at::parallel_for(0, threads, 1, [&](int64_t first_run, int64_t end_run) {
     thread_local Scratch scratch;
     std::vector<float> scores;
     std::vector<const float*> qs;
     std::vector<float*> os;
     std::vector<int64_t> visible;
     std::vector<const T*> kblocks, vblocks;
-    for (int64_t at = cut[thread]; at < cut[thread + 1]; ++at) {
+    for (int64_t at = cut[first_run]; at < cut[end_run]; ++at) {
       const Job& job = jobs[at];
       const int64_t i = job.i, n_blocks = (lengths[i] + job.j1 + B - 1) >> shift;
       kblocks.resize(n_blocks);

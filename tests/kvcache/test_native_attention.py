@@ -1,4 +1,8 @@
 """The C++ span attention, reading histories through block tables, against the per-span SDPA path."""
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -172,3 +176,33 @@ def test_a_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype):
     assert torch.equal(attend(list(range(n + 1))), whole)
     assert torch.equal(attend([0, 5, 6, 40, n]), whole)
     assert torch.equal(attend([0, 33, n], beside=True), whole)
+
+
+def test_native_attention_is_whole_when_torch_runs_its_range_on_one_thread():
+    """torch may hand a parallel_for's whole range to one thread: after another thread set its count
+    to one (as the server's event loop does), the next region here gets a team of one. The kernel
+    must attend every job it is handed; it used to do only the first thread's share."""
+    if not CacheRegistry().native_attention():
+        pytest.skip("no AVX2 CPU or compiler here")
+    script = textwrap.dedent(
+        """
+        import threading, torch
+        from tests.kvcache.test_native_attention import CacheRegistry, Sizing, make_caches, clone, run, LAYERS, KV_HEADS, Q_HEADS, DIM
+        assert CacheRegistry().native_attention()
+        torch.manual_seed(4)
+        exact = make_caches([9, 30], Sizing.STATIC)
+        fast = clone(exact)
+        q, k, v = (torch.randn(LAYERS, 1, h, 8, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
+        assert torch.get_num_threads() > 1, "needs two cores"
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start(); other.join()
+        got = run(fast, [2, 6], True, q, k, v)  # this thread's first parallel region
+        want = run(exact, [2, 6], False, q, k, v)
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g, w, atol=2e-5, rtol=1e-4)
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"

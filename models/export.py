@@ -27,7 +27,7 @@ from .llama import Transformer
 from .quant import WEIGHT_MODES, convert_linears, model_kernels_available
 from .tokenizer import TextTokenizer
 
-ARTIFACT_FORMAT = 7  # 7: a q4 decoder is one op a step (6: three a layer; 5: q4 panels made at load)
+ARTIFACT_FORMAT = 8  # 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a layer; 5: panels at load)
 # The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
 # Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
 # far longer than the forward it describes; fx's source is readable, and runs as it was exported.

@@ -46,26 +46,27 @@ class NativeDecoder(nn.Module):
     """The decoder's Layers, every projection q4: one kvserve_native::decoder_q4 call a step, which runs
     each layer's attention through kvcache::update_and_attend (models/kernels/block.cpp)."""
 
+    KINDS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # the order decoder_q4 takes them
+
     def __init__(self, layers: Layers) -> None:
         super().__init__()
         first = layers[0]
         self.head_dim = first.self_attn.head_dim
         self.n_heads, self.n_kv_heads = first.self_attn.rotary.n_heads, first.self_attn.rotary.n_kv_heads
         self.eps = first.input_layernorm.eps
-        # Each weight a buffer of its own (so export lifts it, and the artifact stores it once), named in
-        # the order decoder_q4 takes them.
-        self.weight_names, self.bias_names = [], []
-        for i, block in enumerate(layers):
-            assert block.self_attn.layer_id == i, "layers run in the order of their ids"
-            attn, mlp = block.self_attn, block.mlp
-            for part, tensor in (("input_norm", block.input_layernorm.weight), ("qkv", attn.qkv_proj.packed),
-                                 ("o", attn.o_proj.packed), ("post_norm", block.post_attention_layernorm.weight),
-                                 ("gate_up", mlp.gate_up_proj.packed), ("down", mlp.down_proj.packed)):
-                self.register_buffer(f"{part}_{i}", tensor)
-                self.weight_names.append(f"{part}_{i}")
-            if attn.qkv_proj.bias is not None:
-                self.register_buffer(f"qkv_bias_{i}", attn.qkv_proj.bias)
-                self.bias_names.append(f"qkv_bias_{i}")
+        # Each kind's weights of every layer as one buffer [L, ...] (export lifts it, the artifact stores it
+        # once): the op takes six tensors a step, not six a layer. A list of 180 cost more to hand over
+        # than the call's own work, and each tensor released after it took the GIL back once.
+        per_layer = []
+        for i, b in enumerate(layers):
+            assert b.self_attn.layer_id == i, "layers run in the order of their ids"
+            attn, mlp = b.self_attn, b.mlp
+            per_layer.append((b.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed,
+                              b.post_attention_layernorm.weight, mlp.gate_up_proj.packed, mlp.down_proj.packed))
+        for kind, tensors in zip(self.KINDS, zip(*per_layer)):
+            self.register_buffer(kind, torch.stack([t.detach() for t in tensors]))
+        biases = [b.self_attn.qkv_proj.bias for b in layers]
+        self.register_buffer("qkv_bias", None if biases[0] is None else torch.stack([b.detach() for b in biases]))
 
     @staticmethod
     def fits(layers: nn.Module) -> bool:
@@ -87,10 +88,9 @@ class NativeDecoder(nn.Module):
         return True
 
     def forward(self, x, positions, cos, sin):
-        weights = [getattr(self, name) for name in self.weight_names]
-        biases = [getattr(self, name) for name in self.bias_names]
         return torch.ops.kvserve_native.decoder_q4(
-            x, positions, cos, sin, weights, biases, self.n_heads, self.n_kv_heads, self.eps, self.head_dim**-0.5
+            x, positions, cos, sin, *(getattr(self, kind) for kind in self.KINDS), self.qkv_bias,
+            self.n_heads, self.n_kv_heads, self.eps, self.head_dim**-0.5,
         )
 
 

@@ -4,10 +4,11 @@
 // kvcache::update_and_attend, called here through the dispatcher: the cache contract is the graph's.
 //
 // Op contract (kvserve_native::decoder_q4, float32, weights as the panels linear_q4 takes):
-//   decoder_q4(x [1, n, C], positions [n, 1], cos [n, D], sin [n, D], weights, qkv_biases, Hq, Hkv, eps, scale)
-//       -> [1, n, C]
-//   weights: six a layer, in layer order: input norm [C], qkv, o, post-attention norm [C], gate_up, down;
-//   qkv_biases: none, or one [(Hq + 2 Hkv) D] a layer. Layer l runs
+//   decoder_q4(x [1, n, C], positions [n, 1], cos [n, D], sin [n, D], input_norm [L, C], qkv [L, ...],
+//              o [L, ...], post_norm [L, C], gate_up [L, ...], down [L, ...], qkv_bias [L, (Hq + 2 Hkv) D]?,
+//              Hq, Hkv, eps, scale) -> [1, n, C]
+//   each weight kind stacked over the L layers (one tensor a kind, so a step hands over six, not six a
+//   layer); layer l runs, with its slice of each,
 //       q, k, v = rope_qkv(linear_q4(rms_norm(x)) + qkv_bias)        (head)
 //       a = kvcache::update_and_attend(q, k, v, positions, l, scale)
 //       h = x + linear_q4(a as [1, n, Hq Dv]); x = h + linear_q4(silu_mul(linear_q4(rms_norm(h))))   (tail)
@@ -60,37 +61,41 @@ Tensor block_tail(const Tensor& x, const Tensor& attn, const Tensor& o_w, const 
   return out.add_(h);
 }
 
-constexpr int64_t WEIGHTS_A_LAYER = 6;
-
-Tensor decoder_q4(const Tensor& x_in, const Tensor& positions, const Tensor& cos, const Tensor& sin, at::TensorList weights,
-                  at::TensorList qkv_biases, int64_t Hq, int64_t Hkv, double eps, double scale) {
+Tensor decoder_q4(const Tensor& x_in, const Tensor& positions, const Tensor& cos, const Tensor& sin, const Tensor& input_norm,
+                  const Tensor& qkv, const Tensor& o, const Tensor& post_norm, const Tensor& gate_up, const Tensor& down,
+                  const std::optional<Tensor>& qkv_bias, int64_t Hq, int64_t Hkv, double eps, double scale) {
   using Attend = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, double, at::ScalarType);
   static const auto attend = op<Attend>("kvcache::update_and_attend");
-  const int64_t L = static_cast<int64_t>(weights.size()) / WEIGHTS_A_LAYER;
-  TORCH_CHECK(L > 0 && static_cast<int64_t>(weights.size()) == L * WEIGHTS_A_LAYER, "decoder_q4 takes six weights a layer");
-  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == L, "decoder_q4 takes no qkv bias or one a layer");
+  const int64_t L = input_norm.dim() == 2 ? input_norm.size(0) : 0;
+  TORCH_CHECK(L > 0, "decoder_q4 takes the input norms of its layers as [L, C]");
+  for (const Tensor* w : {&qkv, &o, &post_norm, &gate_up, &down})
+    TORCH_CHECK(w->dim() >= 2 && w->size(0) == L, "decoder_q4 takes every weight kind stacked over its ", L, " layers");
+  TORCH_CHECK(!qkv_bias.has_value() || (qkv_bias->dim() == 2 && qkv_bias->size(0) == L),
+              "decoder_q4 takes one qkv bias a layer, stacked");
   Tensor x = x_in;
   for (int64_t l = 0; l < L; ++l) {
-    const Tensor* w = weights.data() + l * WEIGHTS_A_LAYER;
-    const std::optional<Tensor> bias = qkv_biases.empty() ? std::nullopt : std::optional<Tensor>(qkv_biases[l]);
-    const auto [q, k, v] = block_head(x, w[0], w[1], bias, cos, sin, Hq, Hkv, eps);  // [1, H, n, D] each
+    const std::optional<Tensor> bias = qkv_bias.has_value() ? std::optional<Tensor>(qkv_bias->select(0, l)) : std::nullopt;
+    // [1, H, n, D] each
+    const auto [q, k, v] = block_head(x, input_norm.select(0, l), qkv.select(0, l), bias, cos, sin, Hq, Hkv, eps);
     const Tensor attn = attend.call(q, k, v, positions, l, scale, x.scalar_type());  // [1, Hq, n, Dv]
-    x = block_tail(x, attn, w[2], w[3], w[4], w[5], eps);  // [1, n, C]
+    x = block_tail(x, attn, o.select(0, l), post_norm.select(0, l), gate_up.select(0, l), down.select(0, l),
+                   eps);  // [1, n, C]
   }
   return x;
 }
 
 // Shapes only, for tracing and export (symbolic token counts).
-Tensor decoder_q4_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, at::TensorList, at::TensorList, int64_t,
-                       int64_t, double, double) {
+Tensor decoder_q4_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                       const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t, int64_t, double, double) {
   return at::empty_like(x);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_native, m) {
-  m.def("decoder_q4(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor[] weights, Tensor[] qkv_biases, "
-        "int n_heads, int n_kv_heads, float eps, float scale) -> Tensor");
+  m.def("decoder_q4(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor input_norm, Tensor qkv, Tensor o, "
+        "Tensor post_norm, Tensor gate_up, Tensor down, Tensor? qkv_bias, int n_heads, int n_kv_heads, float eps, "
+        "float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) { m.impl("decoder_q4", &decoder_q4); }

@@ -148,6 +148,19 @@ def test_native_decoder_passes_on_the_caches_typed_errors():
         REGISTRY.uninstall("native-decoder-errors")
 
 
+def test_native_decoder_holds_each_weight_kind_once_and_refuses_stacks_that_disagree():
+    layers = q4_layers()
+    native = NativeDecoder(layers)
+    assert torch.equal(native.qkv[1], layers[1].self_attn.qkv_proj.packed)  # [L, ...]: layer 1's panels
+    assert len(list(native.buffers())) == len(NativeDecoder.KINDS)  # six tensors a step, no bias here
+    cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
+    weights = [getattr(native, kind) for kind in NativeDecoder.KINDS]
+    weights[2] = weights[2][:1]  # o for one layer of two
+    with pytest.raises(RuntimeError, match="stacked over its 2 layers"):
+        torch.ops.kvserve_native.decoder_q4(torch.randn(1, 1, 128), torch.tensor([[0]]), cos, sin, *weights, None,
+                                            4, 2, 1e-5, 32**-0.5)
+
+
 def test_native_decoder_takes_only_alike_q4_layers():
     q4 = q4_layers()
     assert NativeDecoder.fits(q4)

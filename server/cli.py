@@ -16,6 +16,7 @@ from kvcache import Sizing
 from . import cluster
 from .config import KV_DTYPES, EngineConfig, ServerConfig, parse_bytes
 from .engine.drafts import MODES, SpeculationConfig
+from .listener import uvicorn_config
 
 log = logging.getLogger("kvserve")
 
@@ -216,7 +217,7 @@ def cmd_serve(args) -> int:
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5), engine, args.shutdown_timeout)
     server.run()
     return 0

@@ -11,6 +11,7 @@ import uvicorn
 from server.api.app import create_app
 from server.config import EngineConfig, ServerConfig
 from server.engine.engine import Engine
+from server.listener import uvicorn_config
 from server.local import free_port, wait_healthy
 
 __all__ = ["LiveServer", "free_port", "metric", "metrics", "start_cli_server", "wait_healthy"]
@@ -25,7 +26,7 @@ class LiveServer:
         self.app = create_app(self.engine, server_config or ServerConfig(model_name=name), frozenset(api_keys))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

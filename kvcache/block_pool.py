@@ -39,7 +39,8 @@ def chain_hash(previous: bytes, tokens: Sequence[int]) -> bytes:
 
 
 def prefix_hashes(tokens: Sequence[int], block_size: int, previous: bytes = b"") -> list[bytes]:
-    """Chained hashes of each full block of `tokens`, continuing from the hash of the block before them."""
+    """Chained hashes of each full block of `tokens`, continuing from the hash of the block before them
+    (or, for a history's first block, from its cache's seed: a namespace, such as a tenant's salt)."""
     out, h = [], previous
     for start in range(0, len(tokens) - block_size + 1, block_size):
         h = chain_hash(h, tokens[start : start + block_size])

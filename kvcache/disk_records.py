@@ -17,13 +17,15 @@ from pathlib import Path
 log = logging.getLogger("kvserve.disk")
 
 RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+# what a record is filed under: its session's id, within its owner's namespace (server/engine/session.py)
+RECORD_KEY = re.compile(r"([0-9a-f]{32}\.)?[A-Za-z0-9_-]{1,128}")
 
 
 class SessionRecords:
-    """Records and claims of persistent sessions."""
+    """Records and claims of persistent sessions, by key: a session's id within its owner's namespace."""
 
     def _init_records(self) -> None:
-        self._claims: dict[str, int] = {}  # session id -> the open, flock-ed lock file that makes it ours
+        self._claims: dict[str, int] = {}  # session key -> the open, flock-ed lock file that makes it ours
         self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
         self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
 
@@ -33,10 +35,10 @@ class SessionRecords:
             return
         self._enqueue(("session", {**record, "identity": self.identity}))
 
-    def delete_session(self, session_id: str) -> None:
-        self._deleted.add(session_id)
-        self._let_go(session_id)
-        self._enqueue(("delete", session_id))
+    def delete_session(self, key: str) -> None:
+        self._deleted.add(key)
+        self._let_go(key)
+        self._enqueue(("delete", key))
 
     def _record_at(self, path: Path) -> dict:
         """The session record in `path` -> raises OSError, or ValueError unless it parses as one and was
@@ -44,19 +46,19 @@ class SessionRecords:
         record = json.loads(path.read_text())
         if not _valid_record(record) or record.get("identity") != self.identity:
             raise ValueError("not a session record of this model identity")
-        return record
+        return {**record, "key": record.get("key", record["id"])}  # records before namespaces: the id
 
-    def claim(self, session_id: str) -> bool:
+    def claim(self, key: str) -> bool:
         """Make a session this server's alone, among the servers sharing the folder -> False if another
         live server holds it. The claim is an flock on the session's lock file: the kernel releases it
         when the holder dies, however it dies, so a session outlives its server on shared storage."""
-        self._deleted.discard(session_id)  # a new session under an id deleted earlier
+        self._deleted.discard(key)  # a new session under a key deleted earlier
         with self._lock:
-            self._letting_go.discard(session_id)  # ours again: the writer keeps the lock it was to drop
-        if session_id in self._claims or not self.healthy:
+            self._letting_go.discard(key)  # ours again: the writer keeps the lock it was to drop
+        if key in self._claims or not self.healthy:
             return True
         try:
-            fd = os.open(self.root / "sessions" / f"{session_id}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.root / "sessions" / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             self._fail(e)
             return True
@@ -65,35 +67,35 @@ class SessionRecords:
         except BlockingIOError:
             os.close(fd)
             return False
-        self._claims[session_id] = fd
+        self._claims[key] = fd
         return True
 
-    def release(self, session_id: str) -> None:
+    def release(self, key: str) -> None:
         """Let the session go, once the writes handed over before are on disk: another server may claim it."""
-        self._let_go(session_id)
-        self._enqueue(("release", session_id))
+        self._let_go(key)
+        self._enqueue(("release", key))
 
-    def _let_go(self, session_id: str) -> None:
+    def _let_go(self, key: str) -> None:
         with self._lock:
-            self._letting_go.add(session_id)
+            self._letting_go.add(key)
 
-    def unclaim(self, session_id: str) -> None:
-        fd = self._claims.pop(session_id, None)
+    def unclaim(self, key: str) -> None:
+        fd = self._claims.pop(key, None)
         if fd is not None:
             os.close(fd)  # closing the file drops its lock
 
-    def find_session(self, session_id: str) -> dict | None:
+    def find_session(self, key: str) -> dict | None:
         """A session's record, if one is on disk and parses (a server beside this one may have written it)."""
-        if not self.healthy or RECORD_ID.fullmatch(session_id) is None or session_id in self._deleted:
+        if not self.healthy or RECORD_KEY.fullmatch(key) is None or key in self._deleted:
             return None
         try:
-            record = self._record_at(self.root / "sessions" / f"{session_id}.json")
+            record = self._record_at(self.root / "sessions" / f"{key}.json")
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             self.stats.errors += 1
             return None
-        return record if record["id"] == session_id else None
+        return record if record["key"] == key else None
 
     def sessions(self) -> list[dict]:
         """Every record that parses; one that does not is skipped with a warning."""
@@ -101,7 +103,7 @@ class SessionRecords:
         for path in sorted((self.root / "sessions").glob("*.json")) if self.healthy else []:
             try:
                 record = self._record_at(path)
-                if path.name != f"{record['id']}.json":
+                if path.name != f"{record['key']}.json":
                     raise ValueError("a record under another session's name")
                 records.append(record)
             except (OSError, ValueError):
@@ -114,9 +116,9 @@ class SessionRecords:
         kind = job[0]
         if kind == "session":
             record = job[1]
-            if record["id"] in self._deleted:
+            if record["key"] in self._deleted:
                 return
-            write_atomic(self.root / "sessions" / f"{record['id']}.json", json.dumps(record).encode(), sync=True)
+            write_atomic(self.root / "sessions" / f"{record['key']}.json", json.dumps(record).encode(), sync=True)
             return
         if kind == "delete":
             (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
@@ -132,6 +134,8 @@ def _valid_record(r) -> bool:
             and isinstance(r.get("tokens"), list) and all(type(t) is int and t >= 0 for t in r["tokens"])
             and type(r.get("capacity")) is int and r["capacity"] > 0 and r.get("sizing") in ("static", "dynamic")
             and (r.get("owner") is None or isinstance(r["owner"], str)) and len(r["tokens"]) <= r["capacity"]
+            and (r.get("key") is None or isinstance(r["key"], str) and RECORD_KEY.fullmatch(r["key"]) is not None)
+            and (r.get("salt") is None or isinstance(r["salt"], str))
             and all(r.get(k) is None or type(r[k]) in (int, float) for k in ("expires", "used_at")))
 
 

@@ -22,7 +22,7 @@ def blocks_for(tokens: int, block_size: int) -> int:
 class SessionCache:
     """K/V of one session; STATIC reserves its capacity in the pool up front, DYNAMIC takes blocks as it grows."""
 
-    def __init__(self, config: CacheConfig, pool: BlockPool | None = None, key: str = "") -> None:
+    def __init__(self, config: CacheConfig, pool: BlockPool | None = None, key: str = "", seed: bytes = b"") -> None:
         if pool is None:  # a cache on its own gets a private pool of exactly its capacity
             pool = BlockPool(config, blocks_for(config.capacity, DEFAULT_BLOCK_SIZE))
         p = pool.layout
@@ -31,6 +31,9 @@ class SessionCache:
         ):
             raise CacheError("a cache's layers, heads, dims and dtype must match its pool's")
         self.config, self.pool, self.key = config, pool, key
+        # Where its blocks' hash chain starts: its prefix namespace. Caches with different seeds never share a
+        # cached prefix, so one tenant can neither hit nor time another's blocks (block_pool.prefix_hashes).
+        self.seed = seed
         self.table: list[int] = []  # block ids, ceil(length / B) of them outside a step
         self._length = 0
         self._hashes: list[bytes] = []  # chained hash of each full block published so far
@@ -170,7 +173,7 @@ class SessionCache:
         for i in range(done, blocks_for(self._length, b)):
             if not self.pool.indexed(self.table[i]):  # (one kept through a rewind holds these ids already)
                 self.pool.record(self.table[i], tokens[i * b : min((i + 1) * b, self._length)])
-        fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else b"")
+        fresh = prefix_hashes(tokens[done * b : self._length // b * b], b, self._hashes[-1] if self._hashes else self.seed)
         parent = self._hashes[-1] if self._hashes else None
         for block, digest in zip(self.table[done:], fresh):
             self.pool.publish(block, digest, durable, parent)
@@ -182,7 +185,7 @@ class SessionCache:
         the `fetched` blocks read back from disk -> tokens reused."""
         assert self._length == 0 and not self.table, "only an empty cache attaches a prefix"
         limit = min(len(tokens), self.config.capacity)
-        hashes = prefix_hashes(tokens[:limit], self.pool.block_size)
+        hashes = prefix_hashes(tokens[:limit], self.pool.block_size, self.seed)
         self.table = self.pool.match(hashes, tokens[:limit], fetched)
         self._take()
         self._hashes = hashes[: len(self.table)]
@@ -191,7 +194,7 @@ class SessionCache:
 
     def fork(self, key: str = "") -> SessionCache:
         """A cache with the same history that shares every block; either side copies a block it writes into."""
-        child = SessionCache(self.config, self.pool, key)
+        child = SessionCache(self.config, self.pool, key, self.seed)
         for block in self.table:
             self.pool.share(block)
         child.table, child._hashes, child._length = list(self.table), list(self._hashes), self._length

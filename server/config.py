@@ -56,6 +56,9 @@ class EngineConfig:
     speculation: SpeculationConfig = SpeculationConfig()  # n-gram drafts: the default, and their limits
     kv_events: str | None = None  # tcp://HOST:PORT: publish the prefix index's changes there (ZMQ PUB) for a router
     kv_events_replay: str | None = None  # tcp://HOST:PORT: resend recent batches to a router that missed some
+    # Tenants share cached prefixes (a common system prompt) instead of each hashing from its own salt; a
+    # tenant can then learn, from cached_tokens or timing, which prefixes another sent
+    shared_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",

@@ -129,7 +129,7 @@ def _start_prompts(http: HttpRequest, body: _OpenAISampling, prompts: list[list[
     try:
         for prompt in prompts:
             reqs += generation.start(http, session_id, prompt, params, resend=True, n=body.n,
-                                     scheduling=Scheduling(body.priority, body.timeout, body.speculative))
+                                     scheduling=Scheduling(body.priority, body.timeout, body.speculative, body.cache_salt))
     except Exception:
         for req in reqs:
             generation.engine_of(http).cancel(req)

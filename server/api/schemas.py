@@ -203,6 +203,7 @@ class _OpenAISampling(_Body):
     priority: Priority = 0
     timeout: Timeout | None = None
     speculative: bool | None = None  # draft tokens from its own history (None: the server's --speculative)
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's prefix-cache namespace
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions: the output matches a JSON schema, a regex, a Lark or GBNF grammar, or one of some strings

@@ -45,7 +45,7 @@ class Engine(SessionOps):
         c = model.config
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
         layout = kv_layout(model, config.kv_dtype)
-        self.pool = KVPool(registry, config.kv_budget, layout)
+        self.pool = KVPool(registry, config.kv_budget, layout, config.shared_prefix_cache)
         self.sessions = SessionStore(config.max_sessions, config.per_key("max_sessions"), config.session_ttl,
                                      config.session_disk_ttl)
         self.max_context = config.context(c.max_context)
@@ -141,6 +141,9 @@ class Engine(SessionOps):
         timeout = min((t for t in (scheduling.timeout, self.config.request_timeout) if t is not None), default=None)
         spec = self.config.speculation
         drafts = scheduling.speculative if scheduling.speculative is not None else spec.mode != "off"
+        if scheduling.cache_salt is not None and scheduling.cache_salt != session.salt:
+            self.pool.drop(session)  # its KV was read and published under another namespace: recomputed in this one
+            session.salt = scheduling.cache_salt
         req = Sequence(session, params, prompt_tokens=turn.prompt_tokens, history_before=list(session.tokens),
                        kept=turn.kept, sink=self._post, constraint=constraint, priority=scheduling.priority, timeout=timeout,
                        drafter=Drafter(spec) if drafts else None)
@@ -186,7 +189,8 @@ class Engine(SessionOps):
         reqs: list[Sequence] = []
         with self.lock:
             self.scheduler.check_room(owner_id(owner), len(params))
-            sessions = [self._new_session(self.max_context, Sizing.DYNAMIC, False, owner, None) for _ in params]
+            sessions = [self._new_session(self.max_context, Sizing.DYNAMIC, False, owner, None, scheduling.cache_salt)
+                        for _ in params]
             try:
                 for session, p, constraint in zip(sessions, params, constraints):
                     # only the first choice reads the prompt back from disk: the others fork its KV

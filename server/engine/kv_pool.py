@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import hashlib
+
 import torch
 
 from kvcache import BlockPool, CacheConfig, CacheRegistry, SessionCache
@@ -31,8 +33,9 @@ def kv_layout(model: LoadedModel, choice: str, capacity: int = 1) -> CacheConfig
 class KVPool:
     """Installs session caches on the engine's block pool (attaching cached prefixes), forks and drops them."""
 
-    def __init__(self, registry: CacheRegistry, budget: int, layout: CacheConfig) -> None:
+    def __init__(self, registry: CacheRegistry, budget: int, layout: CacheConfig, shared_prefixes: bool = False) -> None:
         self.registry = registry
+        self.shared_prefixes = shared_prefixes  # --shared-prefix-cache: tenants share cached prefixes
         self.layout = layout  # n_layers, heads, dims and dtype; capacity and sizing come per session
         self.blocks = BlockPool.for_budget(layout, budget)
         self.budget = self.blocks.n_blocks * self.blocks.block_bytes
@@ -68,21 +71,31 @@ class KVPool:
             return None
         b = self.blocks.block_size
         tokens = session.tokens[: min(len(session.tokens) - 1, session.capacity)]
-        hashes = prefix_hashes(tokens, b)
+        hashes = prefix_hashes(tokens, b, self.seed(session))
         skip = self.blocks.cached_prefix(hashes)
         if skip == len(hashes) or not self.tier.has(hashes[skip]):
             return None
         return self.tier.prefetch(hashes[skip:], tokens[skip * b :])
 
+    def seed(self, session: Session) -> bytes:
+        """Where the session's prefix hash chain starts: its owner's namespace (unless tenants share
+        prefixes), and its client's cache_salt within that. No owner and no salt: the chain of a server
+        without keys, as every earlier version wrote to the disk tier."""
+        owner = None if self.shared_prefixes else session.owner
+        if owner is None and session.salt is None:
+            return b""
+        text = f"{owner or ''}\0{session.salt or ''}".encode()
+        return hashlib.blake2b(text, digest_size=16, person=b"kvserve-prefix").digest()
+
     def persist(self, session: Session) -> None:
         """Write a persistent session's record behind (its blocks go by content, as they fill)."""
         if self.tier is not None and session.persistent:
-            self.tier.claim(session.id)  # a new one becomes ours; one already ours stays so
+            self.tier.claim(session.key)  # a new one becomes ours; one already ours stays so
             self.tier.save_session(session.record())
 
     def forget(self, session: Session) -> None:
         if self.tier is not None and session.persistent:
-            self.tier.delete_session(session.id)
+            self.tier.delete_session(session.key)
 
     def ensure(self, session: Session, reuse: Session | None = None, fetched: dict | None = None,
                limit: int | None = None) -> None:
@@ -96,19 +109,19 @@ class KVPool:
             keep = common_prefix(session.tokens[: len(session.tokens) - 1], reuse.tokens[: session.cache.length])
             session.truncate_cache(keep)
             return
-        cache = SessionCache(self.config_for(session), self.blocks)
+        cache = SessionCache(self.config_for(session), self.blocks, seed=self.seed(session))
         # the last token is always run again: its logits start the reply
         end = len(session.tokens) - 1 if limit is None else min(len(session.tokens) - 1, limit)
         cache.attach_prefix(session.tokens[:end], fetched)
-        session.cache = self.registry.install(session.id, cache)
+        session.cache = self.registry.install(session.key, cache)
 
     def fork(self, parent: Session, child: Session) -> None:
         """Give `child` a cache sharing every block of `parent`'s (raises PoolExhausted for a static one
         that cannot reserve its capacity)."""
-        child.cache = self.registry.install(child.id, parent.cache.fork())
+        child.cache = self.registry.install(child.key, parent.cache.fork())
 
     def drop(self, session: Session) -> None:
         """Free a session's KV; its full blocks stay cached for a later prefix hit, its history stays too."""
         if session.cache is not None:
-            self.registry.uninstall(session.id)
+            self.registry.uninstall(session.key)
             session.cache = None

@@ -9,7 +9,7 @@ import time
 
 from ..errors import Conflict, Overloaded
 from .kv_pool import KVPool
-from .session import Session, SessionStore, owner_id
+from .session import Session, SessionStore, owner_id, session_key, shown
 
 log = logging.getLogger("kvserve.engine")
 
@@ -19,7 +19,7 @@ class Lifetimes:
 
     def __init__(self, sessions: SessionStore, pool: KVPool, max_context: int, vocab: int) -> None:
         self.sessions, self.pool, self.max_context, self.vocab = sessions, pool, max_context, vocab
-        self.parked: dict[str, float] = {}  # id -> when its disk copy expires: the sessions this server moved there
+        self.parked: dict[str, float] = {}  # key -> when its disk copy expires: the sessions this server moved there
 
     def restore(self) -> None:
         """At start: the sessions on disk that fit; one idle past its TTL (or past its owner's quota) stays on
@@ -29,15 +29,16 @@ class Lifetimes:
         for record in tier.sessions():
             if not self._fits(record):
                 continue
+            key = record["key"]
             if _gone(record, now):
-                if tier.claim(record["id"]):
-                    tier.delete_session(record["id"])
+                if tier.claim(key):
+                    tier.delete_session(key)
                     counts["expired"] += 1
                 continue
             if self._idle_on_disk(record, now):
-                self.parked[record["id"]] = _expiry(record)
+                self.parked[key] = _expiry(record)
                 counts["left on disk"] += 1
-            elif tier.claim(record["id"]):
+            elif tier.claim(key):
                 self.sessions.restore(record)
                 counts["restored"] += 1
             else:  # another live server on the folder has it; it may come here once that one dies
@@ -55,23 +56,27 @@ class Lifetimes:
         return False
 
     def _fits(self, record: dict) -> bool:
+        if record["key"] != session_key(record["id"], record.get("owner")):
+            log.warning("kv disk: session record %s is not filed under its owner's namespace (written before "
+                        "ids were scoped to tenants); skipped", record["key"])
+            return False
         if record["capacity"] > self.max_context or any(t >= self.vocab for t in record["tokens"]):
-            log.warning("kv disk: session %s does not fit this server; skipped", record["id"])
+            log.warning("kv disk: session %s does not fit this server; skipped", record["key"])
             return False
         return True
 
     def take_over(self, session_id: str, owner: str | None) -> Session | None:
         """A session on disk, this server's or one another server left on the shared folder, brought into
         RAM once no live server holds it -> None if there is none for this owner."""
-        tier = self.pool.tier
-        record = tier.find_session(session_id) if tier is not None else None
+        tier, key = self.pool.tier, session_key(session_id, owner_id(owner))
+        record = tier.find_session(key) if tier is not None else None
         if record is None or record.get("owner") != owner_id(owner) or _gone(record, time.time()) or not self._fits(record):
             return None
         self.sessions.check_quota(record.get("owner"))
-        if not tier.claim(session_id):
-            raise Conflict(f"session {session_id!r} is held by another server on this --kv-disk; "
+        if not tier.claim(key):
+            raise Conflict(f"session {shown(session_id)} is held by another server on this --kv-disk; "
                            "send its requests there, or retry once that server is gone", param="session_id")
-        self.parked.pop(session_id, None)
+        self.parked.pop(key, None)
         return self.sessions.restore(record)
 
     def expire(self, now: float) -> int:
@@ -82,21 +87,21 @@ class Lifetimes:
             self.pool.drop(session)  # its full blocks stay cached for a prefix hit, until the pool needs them
             if tier is not None and tier.healthy:
                 self.pool.persist(session)  # its last record, saying when the disk copy goes
-                tier.release(session.id)  # once that is written: any server on the folder may take it up
-                self.parked[session.id] = session.disk_expires_at
+                tier.release(session.key)  # once that is written: any server on the folder may take it up
+                self.parked[session.key] = session.disk_expires_at
             else:
                 self.pool.forget(session)
             self.sessions.remove(session)
         wall = time.time()
-        for session_id, when in list(self.parked.items()):
+        for key, when in list(self.parked.items()):
             if when > wall:
                 continue
-            del self.parked[session_id]
-            record = tier.find_session(session_id)
+            del self.parked[key]
+            record = tier.find_session(key)
             if record is not None and not _gone(record, wall):
-                self.parked[session_id] = _expiry(record)  # another server used it since: its later expiry
-            elif record is not None and tier.claim(session_id):  # unless a live server holds it now
-                tier.delete_session(session_id)
+                self.parked[key] = _expiry(record)  # another server used it since: its later expiry
+            elif record is not None and tier.claim(key):  # unless a live server holds it now
+                tier.delete_session(key)
         return len(expired)
 
 

@@ -20,11 +20,13 @@ from .session import Session
 
 @dataclass(frozen=True)
 class Scheduling:
-    """A request's place in its tenant's queue, and how long it may take from arrival."""
+    """How a request runs besides its sampling: its place in its tenant's queue, how long it may take from
+    arrival, whether it drafts, and the prefix-cache namespace it reads and writes within its tenant's."""
 
     priority: int = 0  # lower goes first (as vLLM's `priority`)
     timeout: float | None = None  # seconds; None: only --request-timeout, if set
     speculative: bool | None = None  # whether it drafts tokens (server/engine/drafts.py); None: --speculative
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
 
 
 @dataclass(frozen=True)

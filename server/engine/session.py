@@ -42,6 +42,7 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)  # renewed by each use; starts its idle TTL
     ttl: float | None = None  # seconds it may stay idle in RAM (persistent sessions)
     disk_ttl: float = 0.0  # seconds its disk copy stays after that
+    salt: str | None = None  # a client's cache_salt: its prefix cache namespace within its owner's (see prefix_salt)
     # What a route keeps with the conversation (a stored response's object and items), JSON-safe; replaced,
     # never mutated, since a record written behind may still hold the old one
     meta: dict | None = None
@@ -67,6 +68,11 @@ class Session:
     def disk_expires_at(self) -> float | None:
         """Wall-clock time at which its disk copy goes, once its idle TTL and then its disk TTL have passed."""
         return None if self.ttl is None else self.used_at + self.ttl + self.disk_ttl
+
+    @property
+    def key(self) -> str:
+        """Its name in the store, the cache registry and the disk tier: the id within its owner's namespace."""
+        return session_key(self.id, self.owner)
 
     @property
     def cached_length(self) -> int:
@@ -115,7 +121,7 @@ class Session:
     def record(self) -> dict:
         """What the disk tier keeps of a persistent session (its KV blocks are kept by content)."""
         expires = self.disk_expires_at
-        return {"id": self.id, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
+        return {"id": self.id, "key": self.key, "salt": self.salt, "tokens": list(self.tokens), "capacity": self.capacity, "sizing": self.sizing.value,
                 "owner": self.owner, "used_at": round(self.used_at, 3),
                 "expires": round(expires, 3) if expires is not None else None, "meta": self.meta}
 
@@ -139,6 +145,17 @@ def owner_id(principal: str | None) -> str | None:
     return None if principal is None else hashlib.sha256(principal.encode()).hexdigest()
 
 
+def session_key(session_id: str, owner: str | None) -> str:
+    """A session id within its owner's namespace (owner: an owner id): two tenants may use the same id for
+    two sessions, and no answer depends on which ids another tenant holds. '.' is in no id."""
+    return session_id if owner is None else f"{owner[:32]}.{session_id}"
+
+
+def shown(session_id: str) -> str:
+    """An id as an error message quotes it: never more than 64 characters of what a client sent."""
+    return repr(session_id if len(session_id) <= 64 else session_id[:61] + "...")
+
+
 def principal(key: str | None, tenant: str | None = None) -> str | None:
     """The identity a request acts as: its API key, or a tenant a trusted gateway names under its key."""
     return key if tenant is None else f"{key or ''}\n{tenant}"
@@ -159,7 +176,7 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9_-]{22,128}")
 
 
 class SessionStore:
-    """Persistent and temporary sessions by id; ids are unguessable and scoped to their owner's key."""
+    """Persistent and temporary sessions by id within their owner's namespace; generated ids are unguessable."""
 
     def __init__(self, max_sessions: int, per_owner: int | None = None, ttl: float | None = None,
                  disk_ttl: float = 0.0) -> None:
@@ -167,16 +184,18 @@ class SessionStore:
         self.max_sessions, self.ttl, self.disk_ttl = max_sessions, ttl, disk_ttl
         self.per_owner = per_owner or max_sessions
 
-    def create(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None, session_id: str | None = None) -> Session:
+    def create(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None, session_id: str | None = None,
+               salt: str | None = None) -> Session:
         """A new session; `session_id` lets a client behind a hashing load balancer pick the id it routes on."""
         if persistent:
             self.check_quota(owner_id(owner))
         if session_id is not None:
             if not _CLIENT_ID.fullmatch(session_id):
                 raise InvalidRequest("a client-chosen session id must be 22 to 128 characters of A-Z a-z 0-9 _ -", param="id")
-            if session_id in self._sessions:
-                raise Conflict(f"session {session_id!r} already exists", param="id")
-        return self._add(Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner)))
+            if session_key(session_id, owner_id(owner)) in self._sessions:
+                raise Conflict(f"session {shown(session_id)} already exists", param="id")
+        return self._add(Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner),
+                                 salt=salt))
 
     def check_quota(self, owner: str | None) -> None:
         """Room for one more persistent session of this owner (an owner id), or a 429 that says when one frees."""
@@ -198,7 +217,7 @@ class SessionStore:
     def _add(self, session: Session) -> Session:
         if session.persistent:
             session.ttl, session.disk_ttl = self.ttl, self.disk_ttl
-        self._sessions[session.id] = session
+        self._sessions[session.key] = session
         return session
 
     def expired(self, now: float) -> list[Session]:
@@ -208,7 +227,7 @@ class SessionStore:
     def restore(self, record: dict) -> Session:
         """A persistent session from its disk record: its history, with no KV resident yet."""
         session = Session(record["id"], int(record["capacity"]), Sizing(record["sizing"]), True, record.get("owner"),
-                          tokens=[int(t) for t in record["tokens"]],
+                          tokens=[int(t) for t in record["tokens"]], salt=record.get("salt"),
                           meta=record["meta"] if isinstance(record.get("meta"), dict) else None)
         used_at = record.get("used_at")
         if used_at is not None:  # its idle TTL goes on from its last use, not from the restart
@@ -216,14 +235,13 @@ class SessionStore:
         return self._add(session)
 
     def get(self, session_id: str, owner: str | None) -> Session:
-        session = self._sessions.get(session_id)
-        # Another key's session is reported as missing, so ids cannot be probed across keys.
-        if session is None or not session.persistent or not session.owned_by(owner):
-            raise NotFound(f"no session {session_id!r}", param="session_id")
+        session = self._sessions.get(session_key(session_id, owner_id(owner)))
+        if session is None or not session.persistent:
+            raise NotFound(f"no session {shown(session_id)}", param="session_id")
         return session
 
     def remove(self, session: Session) -> None:
-        self._sessions.pop(session.id, None)
+        self._sessions.pop(session.key, None)
 
     def rewind(self, session: Session, length: int) -> None:
         """Keep the first `length` tokens of an idle session's history."""
@@ -234,7 +252,7 @@ class SessionStore:
 
     def check_idle(self, session: Session) -> None:
         if session.busy is not None:
-            raise Conflict(f"session {session.id!r} is busy with another request", param="session_id")
+            raise Conflict(f"session {shown(session.id)} is busy with another request", param="session_id")
 
     def resident_idle(self) -> list[Session]:
         """Idle sessions holding a cache, least recently used first (eviction order)."""

@@ -13,7 +13,7 @@ import time
 from kvcache import PoolExhausted, Sizing
 
 from ..errors import Conflict, InvalidRequest, NotFound, Overloaded, ShuttingDown
-from .session import Session, owner_id
+from .session import Session, owner_id, session_key, shown
 
 log = logging.getLogger("kvserve.engine")
 
@@ -66,8 +66,9 @@ class SessionOps:
                                  f"more than the whole KV budget of {self.pool.budget} bytes", param="capacity")
         with self.lock:
             tier = self.pool.tier
-            if persistent and session_id is not None and tier is not None and tier.find_session(session_id) is not None:
-                raise Conflict(f"session {session_id!r} already exists", param="id")
+            if (persistent and session_id is not None and tier is not None
+                    and tier.find_session(session_key(session_id, owner_id(owner))) is not None):
+                raise Conflict(f"session {shown(session_id)} already exists", param="id")
             session = self._new_session(capacity, sizing, persistent, owner, session_id)
             if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
                 if not self.scheduler.evict(self.pool.blocks_for(capacity), keep=session):
@@ -80,9 +81,9 @@ class SessionOps:
         return session
 
     def _new_session(self, capacity: int, sizing: Sizing, persistent: bool, owner: str | None,
-                     session_id: str | None) -> Session:
+                     session_id: str | None, salt: str | None = None) -> Session:
         try:
-            return self.sessions.create(capacity, sizing, persistent, owner, session_id)
+            return self.sessions.create(capacity, sizing, persistent, owner, session_id, salt)
         except Overloaded:
             self.scheduler.tenants[owner_id(owner)].rejected += 1
             raise
@@ -101,7 +102,7 @@ class SessionOps:
             raise ShuttingDown("server is shutting down")
         with self.lock:
             self.sessions.check_idle(parent)
-            child = self._new_session(parent.capacity, parent.sizing, True, owner, session_id)
+            child = self._new_session(parent.capacity, parent.sizing, True, owner, session_id, parent.salt)
             child.tokens = list(parent.tokens)
             if parent.cache is not None:
                 try:

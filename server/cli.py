@@ -72,6 +72,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                    help="publish KV events (blocks stored and removed, vLLM's format) there for vllm-router's kv_aware policy")
     p.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT", help="where a router asks for batches it missed")
+    p.add_argument("--shared-prefix-cache", action="store_true",
+                   help="tenants share cached prefixes (a common system prompt); else each tenant's are its own, so "
+                        "none can learn from cached_tokens or timing what another sent")
     p.add_argument("--tenant-weights", default="", metavar="NAME=W,...",
                    help="shares of served tokens: NAME is an API key or a --tenant-header value; others weigh 1")
 
@@ -110,6 +113,7 @@ def _engine_config(args) -> EngineConfig:
         speculation=SpeculationConfig(args.speculative, max_draft=args.num_speculative_tokens),
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
+        shared_prefix_cache=args.shared_prefix_cache,
     )
 
 
@@ -213,7 +217,8 @@ def cmd_serve(args) -> int:
     engine = Engine(model, _engine_config(args), worker=worker)
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
                                  tenant_header=args.tenant_header, trusted_proxies=tuple(args.trusted_proxy or ()),
-                                 allowed_origins=_origins(args.allowed_origins or ()))
+                                 allowed_origins=_origins(args.allowed_origins or ()), host=args.host,
+                                 allowed_hosts=_origins(args.allowed_hosts or ()), admin_key=args.admin_key)
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
@@ -224,7 +229,8 @@ def cmd_serve(args) -> int:
 
 
 def _origins(values: list[str]) -> tuple[str, ...]:
-    """--allowed-origins, repeated or comma-separated: 'https://a.example,https://b.example' or '*'."""
+    """--allowed-origins (or --allowed-hosts), repeated or comma-separated: 'https://a.example,https://b.example'
+    or '*'."""
     return tuple(dict.fromkeys(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip()))
 
 
@@ -294,6 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted-proxy", action="append", metavar="IP", help="a gateway address whose --tenant-header is honoured without a key")
     p.add_argument("--allowed-origins", action="append", metavar="ORIGIN,...",
                    help="browser origins allowed to call the API (CORS), comma-separated or repeated; '*' for any (default: none)")
+    p.add_argument("--allowed-hosts", action="append", metavar="HOST,...",
+                   help="Host names answered besides localhost, 127.0.0.1 and [::1] when bound to loopback (a guard "
+                        "against DNS rebinding), or the only ones answered elsewhere; '*' for any")
+    p.add_argument("--admin-key", default=None,
+                   help="the operator's key: under --api-key, /metrics and /get_load (every tenant's figures) need it")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=ServerConfig().max_body_bytes)
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
     p.add_argument("--log-level", default="info")

@@ -24,6 +24,7 @@ from kvcache.block_pool import DEFAULT_BLOCK_SIZE
 from models.catalog import NAMED_MODELS, fetch
 
 from .cluster_front import start_nginx
+from .listener import allowed_hosts
 from .local import free_port, stop, wait_healthy
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin", "consistent_hash", "power_of_two", "random")
@@ -104,6 +105,8 @@ def cmd_cluster(args) -> int:
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     if args.model in NAMED_MODELS:
         fetch(args.model)  # once, before N replicas would each download it on a first start
+    if allowed_hosts(args.host, ()) is None:  # the front door faces the network: replicas answer its Host names
+        serve_args = ["--allowed-hosts", "*", *serve_args]
     replicas, procs = start(args.replicas, args.cores_per_replica, serve_args, args.model)
     work = None
     try:

@@ -101,3 +101,6 @@ class ServerConfig:
     trusted_proxies: tuple[str, ...] = ()
     # Browser origins allowed to call the API (CORS), "*" for any; none: no CORS headers at all
     allowed_origins: tuple[str, ...] = ()
+    host: str = "127.0.0.1"  # the address it listens on: on loopback, only this machine's Host names are answered
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides those ("*": any)
+    admin_key: str | None = None  # opens the operator's routes (/metrics, /get_load) under API keys

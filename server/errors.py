@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 
+def quoted(value: str) -> str:
+    """A client's id or name as an error message quotes it: never more than 64 characters of what it sent."""
+    return repr(value if len(value) <= 64 else value[:61] + "...")
+
+
 class ApiError(Exception):
     """An error a client caused or must handle; carries its HTTP status."""
 
@@ -22,6 +27,10 @@ class InvalidRequest(ApiError):
 
 class Unauthorized(ApiError):
     status, kind = 401, "authentication_error"
+
+
+class Forbidden(ApiError):
+    status, kind = 403, "permission_error"
 
 
 class NotFound(ApiError):

@@ -11,7 +11,6 @@ from fastapi.responses import FileResponse
 
 from ..engine.engine import Engine
 from ..engine.session import owner_id
-from ..engine.tenants import label_of
 from ..errors import NotFound
 from . import generation
 from .schemas import ERROR_RESPONSES
@@ -57,7 +56,7 @@ def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
         # evicted: its KV went back to the pool (its history stays, and is prefilled again when it is next used)
         state = ("running" if req in sched.running else "waiting") if req is not None else (
             "evicted" if s.cache is None and s.tokens else "idle")
-        sessions.append({**s.info(), "state": state, "persistent": s.persistent, "owner": label_of(s.owner) if s.owner is not None else None,
+        sessions.append({**s.info(), "state": state, "persistent": s.persistent, "owner": sched.tenants.label(s.owner) if s.owner is not None else None,
                          "allocated": s.cache.allocated if s.cache is not None else 0})
     sched.tenants[owner]  # known from now on, so it has figures
     figures = engine.tenant_figures()

@@ -13,7 +13,7 @@ from fastapi import Request as HttpRequest
 from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
-from ..errors import ApiError, InvalidRequest, NotFound
+from ..errors import ApiError, InvalidRequest, NotFound, quoted
 from .output_stream import OutputStream
 
 
@@ -31,7 +31,7 @@ def owner_of(http: HttpRequest) -> str | None:
 def check_model(http: HttpRequest, model: str | None) -> None:
     served = http.app.state.config.model_name
     if model is not None and model not in (served, "", "tgi"):
-        raise NotFound(f"the model {model!r} does not exist; this server serves {served!r}", param="model")
+        raise NotFound(f"the model {quoted(model)} does not exist; this server serves {served!r}", param="model")
 
 
 def check_stops(http: HttpRequest, stop: tuple[str, ...], param: str, noun: str = "stop strings") -> None:

@@ -15,7 +15,7 @@ from models.tokenizer import ChatTemplateError, TextTokenizer
 from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
-from ..errors import InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound, quoted
 from . import generation, tools
 from .choice_stream import OPENAI_REASONS, ChoiceStream, usage
 from .tool_stream import ToolCallStream
@@ -301,5 +301,5 @@ async def models(http: HttpRequest) -> dict:
 async def model(model_id: str, http: HttpRequest) -> dict:
     served = http.app.state.config.model_name
     if model_id != served:
-        raise NotFound(f"the model {model_id!r} does not exist; this server serves {served!r}", param="model")
+        raise NotFound(f"the model {quoted(model_id)} does not exist; this server serves {served!r}", param="model")
     return _model(http)

@@ -33,6 +33,7 @@ from .kv_events import KVEventPublisher
 from .sequence import Scheduling, Sequence
 from .session import Session, SessionStore, Turn, owner_id
 from .session_ops import SessionOps
+from .tenants import label_secret
 
 log = logging.getLogger("kvserve.engine")
 
@@ -54,7 +55,7 @@ class Engine(SessionOps):
             self.pool.open_tier(config.kv_disk, config.kv_disk_budget, model)
             self.lifetimes.restore()
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
-        self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids)
+        self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids, label_secret(config.kv_disk))
         self.kv_events = None  # the prefix index's changes, for a router (kv_events.py)
         if config.kv_events is not None:
             self.kv_events = KVEventPublisher(config.kv_events, self.pool.blocks.block_size, config.kv_events_replay)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import time
 
-from ..errors import Conflict, Overloaded
+from ..errors import Conflict, Overloaded, quoted
 from .kv_pool import KVPool
-from .session import Session, SessionStore, owner_id, session_key, shown
+from .session import Session, SessionStore, owner_id, session_key
 
 log = logging.getLogger("kvserve.engine")
 
@@ -74,7 +74,7 @@ class Lifetimes:
             return None
         self.sessions.check_quota(record.get("owner"))
         if not tier.claim(key):
-            raise Conflict(f"session {shown(session_id)} is held by another server on this --kv-disk; "
+            raise Conflict(f"session {quoted(session_id)} is held by another server on this --kv-disk; "
                            "send its requests there, or retry once that server is gone", param="session_id")
         self.parked.pop(key, None)
         return self.sessions.restore(record)

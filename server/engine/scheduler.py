@@ -36,7 +36,8 @@ from .tenants import Tenants
 class Scheduler:
     """Owns the waiting queue and the running set; plans steps and applies their results."""
 
-    def __init__(self, config: EngineConfig, pool: KVPool, sessions: SessionStore, eos_ids: frozenset[int]) -> None:
+    def __init__(self, config: EngineConfig, pool: KVPool, sessions: SessionStore, eos_ids: frozenset[int],
+                 label_secret: bytes | None = None) -> None:
         self.config, self.pool, self.sessions, self.eos_ids = config, pool, sessions, eos_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -44,7 +45,7 @@ class Scheduler:
         self.counts = StepCounts()  # what the steps did since the metrics last took them
         self._retired: list[Sequence] = []
         self._in_flight: set[str] = set()  # the requests of the step being run, between schedule and postprocess
-        self.tenants = Tenants(config.tenant_weights)
+        self.tenants = Tenants(config.tenant_weights, label_secret)
 
     def check_room(self, owner: str | None, n: int = 1) -> None:
         """Refuse (429) only what does not fit: running slots free count as room, as the queue does."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from kvcache import SessionCache, Sizing
 
-from ..errors import Conflict, InvalidRequest, NotFound, Overloaded
+from ..errors import Conflict, InvalidRequest, NotFound, Overloaded, quoted
 
 
 @dataclass(frozen=True)
@@ -151,11 +151,6 @@ def session_key(session_id: str, owner: str | None) -> str:
     return session_id if owner is None else f"{owner[:32]}.{session_id}"
 
 
-def shown(session_id: str) -> str:
-    """An id as an error message quotes it: never more than 64 characters of what a client sent."""
-    return repr(session_id if len(session_id) <= 64 else session_id[:61] + "...")
-
-
 def principal(key: str | None, tenant: str | None = None) -> str | None:
     """The identity a request acts as: its API key, or a tenant a trusted gateway names under its key."""
     return key if tenant is None else f"{key or ''}\n{tenant}"
@@ -193,7 +188,7 @@ class SessionStore:
             if not _CLIENT_ID.fullmatch(session_id):
                 raise InvalidRequest("a client-chosen session id must be 22 to 128 characters of A-Z a-z 0-9 _ -", param="id")
             if session_key(session_id, owner_id(owner)) in self._sessions:
-                raise Conflict(f"session {shown(session_id)} already exists", param="id")
+                raise Conflict(f"session {quoted(session_id)} already exists", param="id")
         return self._add(Session(session_id or secrets.token_urlsafe(18), capacity, sizing, persistent, owner_id(owner),
                                  salt=salt))
 
@@ -237,7 +232,7 @@ class SessionStore:
     def get(self, session_id: str, owner: str | None) -> Session:
         session = self._sessions.get(session_key(session_id, owner_id(owner)))
         if session is None or not session.persistent:
-            raise NotFound(f"no session {shown(session_id)}", param="session_id")
+            raise NotFound(f"no session {quoted(session_id)}", param="session_id")
         return session
 
     def remove(self, session: Session) -> None:
@@ -252,7 +247,7 @@ class SessionStore:
 
     def check_idle(self, session: Session) -> None:
         if session.busy is not None:
-            raise Conflict(f"session {shown(session.id)} is busy with another request", param="session_id")
+            raise Conflict(f"session {quoted(session.id)} is busy with another request", param="session_id")
 
     def resident_idle(self) -> list[Session]:
         """Idle sessions holding a cache, least recently used first (eviction order)."""

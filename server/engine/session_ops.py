@@ -12,8 +12,8 @@ import time
 
 from kvcache import PoolExhausted, Sizing
 
-from ..errors import Conflict, InvalidRequest, NotFound, Overloaded, ShuttingDown
-from .session import Session, owner_id, session_key, shown
+from ..errors import Conflict, InvalidRequest, NotFound, Overloaded, ShuttingDown, quoted
+from .session import Session, owner_id, session_key
 
 log = logging.getLogger("kvserve.engine")
 
@@ -68,7 +68,7 @@ class SessionOps:
             tier = self.pool.tier
             if (persistent and session_id is not None and tier is not None
                     and tier.find_session(session_key(session_id, owner_id(owner))) is not None):
-                raise Conflict(f"session {shown(session_id)} already exists", param="id")
+                raise Conflict(f"session {quoted(session_id)} already exists", param="id")
             session = self._new_session(capacity, sizing, persistent, owner, session_id)
             if sizing is Sizing.STATIC:  # it holds back its whole capacity from the start
                 if not self.scheduler.evict(self.pool.blocks_for(capacity), keep=session):

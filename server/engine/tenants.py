@@ -10,16 +10,25 @@ back after a pause starts from the smallest counter among the busy ones, so idli
 """
 from __future__ import annotations
 
+import hmac
+import logging
+import os
+import secrets
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 MAX_LABELS = 32  # tenants past the first this many share the metrics label "other"
+SECRET_FILE = "tenant-labels.key"
+
+log = logging.getLogger("kvserve.engine")
 
 
 @dataclass
 class Tenant:
     """One tenant's counter and running totals."""
 
-    label: str  # its name on the console and in /v1/status: a prefix of the owner id, never the key
+    label: str  # its name on the console, in /v1/status and in metrics: an HMAC of its owner id, never the key
     metric_label: str  # its label in metrics: its own for the first tenants seen, else "other"
     weight: float
     counter: float = 0.0  # virtual tokens: tokens served / weight
@@ -27,22 +36,52 @@ class Tenant:
     rejected: int = 0  # requests and sessions refused for want of room (429)
 
 
-def label_of(owner: str | None) -> str:
-    """A tenant's name where others may read it: a prefix of its owner id (a hash), never the key."""
-    return "default" if owner is None else "key-" + owner[:8]
+def label_secret(folder: str | None) -> bytes:
+    """The deployment's secret for tenant labels: one file in the --kv-disk folder, so every server on it
+    (a cluster's replicas, a restarted server) names a tenant alike; without a folder, this process's own."""
+    if folder is None:
+        return secrets.token_bytes(32)
+    path = Path(folder) / SECRET_FILE
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:  # a server beside this one reads it only once it is whole: it waits below for 32 bytes
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+        for _ in range(100):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                secret = f.read()
+            if len(secret) >= 32:
+                return secret
+            time.sleep(0.01)
+        raise OSError(f"{path} holds no secret")
+    except OSError as e:
+        log.warning("tenant labels: %s (%s); this process labels tenants with a secret of its own", path, e)
+        return secrets.token_bytes(32)
 
 
 class Tenants:
     """Every tenant seen, by owner id."""
 
-    def __init__(self, weights: tuple[tuple[str, float], ...] = ()) -> None:
+    def __init__(self, weights: tuple[tuple[str, float], ...] = (), secret: bytes | None = None) -> None:
         self._weights = dict(weights)
         self._known: dict[str | None, Tenant] = {}
+        # A label is an HMAC, so no one who knows (or guesses) a key can find its tenant's figures
+        self._secret = secret if secret is not None else secrets.token_bytes(32)
+
+    def label(self, owner: str | None) -> str:
+        if owner is None:
+            return "default"
+        return "t-" + hmac.new(self._secret, owner.encode(), "sha256").hexdigest()[:12]
 
     def __getitem__(self, owner: str | None) -> Tenant:
         tenant = self._known.get(owner)
         if tenant is None:
-            label = label_of(owner)
+            label = self.label(owner)
             tenant = Tenant(label, label if len(self._known) < MAX_LABELS else "other", self._weights.get(owner, 1.0))
             self._known[owner] = tenant
         return tenant

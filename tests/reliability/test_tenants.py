@@ -13,6 +13,7 @@ from server.config import EngineConfig, ServerConfig
 from ..live_server import LiveServer, metric, metrics
 
 A, B = {"authorization": "Bearer alpha-secret"}, {"authorization": "Bearer beta-secret"}
+OPS = {"authorization": "Bearer ops-secret"}  # the operator's --admin-key
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,8 @@ def wait_for(predicate, timeout=15.0):
 
 def test_one_key_at_its_session_quota_leaves_the_others_room(tiny):
     config = EngineConfig(max_sessions=8, max_sessions_per_key=3)
-    with LiveServer(tiny, config, api_keys=("alpha-secret", "beta-secret")) as server:
+    server_config = ServerConfig(model_name="m", admin_key="ops-secret")
+    with LiveServer(tiny, config, api_keys=("alpha-secret", "beta-secret"), server_config=server_config) as server:
         url = server.url
         made = [httpx.post(url + "/v1/sessions", json={}, headers=A) for _ in range(3)]
         assert [r.status_code for r in made] == [200] * 3
@@ -56,11 +58,12 @@ def test_one_key_at_its_session_quota_leaves_the_others_room(tiny):
         status = httpx.get(url + "/v1/status", headers=A).json()
         assert status["scope"] == "tenant" and status["tenant"]["sessions"] == 3 and status["tenant"]["rejected"] == 1
         assert status["tenant"]["limits"]["sessions"] == 3 and status["steps"] is None  # nothing of the others' load
-        text = httpx.get(url + "/metrics", headers=B).text
-        assert "alpha-secret" not in text and "beta-secret" not in text  # labels are short hashes, never the keys
+        assert httpx.get(url + "/metrics", headers=B).status_code == 403  # every tenant's figures: the operator's
+        text = httpx.get(url + "/metrics", headers=OPS).text
+        assert "alpha-secret" not in text and "beta-secret" not in text  # labels are HMACs, never the keys
         label_a = status["tenant"]["tenant"]
-        assert tenant_metric(url, "kvserve:tenant_requests_rejected_total", label_a, B) == 1
-        assert tenant_metric(url, "kvserve:tenant_sessions", label_a, B) == 3
+        assert tenant_metric(url, "kvserve:tenant_requests_rejected_total", label_a, OPS) == 1
+        assert tenant_metric(url, "kvserve:tenant_sessions", label_a, OPS) == 3
 
 
 def test_a_gateways_tenant_header_separates_tenants_under_one_key(tiny):

@@ -118,11 +118,16 @@ def test_deadlines_end_a_running_request_and_refuse_a_queued_one():
     assert not sched.has_work()
 
 
-def test_metric_labels_are_short_hashes_and_bounded():
+def test_metric_labels_are_keyed_hashes_and_bounded():
+    import hashlib
+    import hmac
+
     from server.engine.tenants import MAX_LABELS, Tenants
 
-    tenants = Tenants()
+    tenants, other = Tenants(secret=b"s" * 32), Tenants(secret=b"t" * 32)
     labels = [tenants[owner_id(f"secret-{i}")].metric_label for i in range(MAX_LABELS + 5)]
-    assert labels[0] == "key-" + owner_id("secret-0")[:8] and all("secret" not in x for x in labels)
+    expected = "t-" + hmac.new(b"s" * 32, owner_id("secret-0").encode(), hashlib.sha256).hexdigest()[:12]
+    assert labels[0] == expected and all("secret" not in x and owner_id("secret-0")[:8] not in x for x in labels)
+    assert other.label(owner_id("secret-0")) != labels[0]  # another deployment's secret: another label
     assert len(set(labels[:MAX_LABELS])) == MAX_LABELS and set(labels[MAX_LABELS:]) == {"other"}
     assert tenants[None].label == "default"

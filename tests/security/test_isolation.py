@@ -145,3 +145,25 @@ def test_errors_quote_at_most_64_characters_of_an_id(server):
     long_id = "a" * 10_000
     r = httpx.get(f"{server.url}/v1/sessions/{long_id}", headers=A)
     assert r.status_code == 404 and len(r.json()["error"]["message"]) < 200
+
+
+def test_namespaces_hold_across_a_restart_on_the_disk_tier(served_model, tmp_path):
+    """Two tenants' sessions under one id, and A's memo on disk: after a restart each tenant gets its own
+    session back with its cached history, and B still cannot hit A's blocks, now read from disk."""
+    config = EngineConfig(kv_disk=str(tmp_path / "kv"))
+    keys = ("key-alpha", "key-beta")
+    chosen, secret, stranger = "same-" + uuid.uuid4().hex, memo(), memo()
+    with LiveServer(served_model, config, api_keys=keys, name=MODEL) as first:
+        for headers, text in ((A, secret), (B, "Just a short note.")):
+            assert httpx.post(first.url + "/v1/sessions", json={"id": chosen}, headers=headers).status_code == 200
+            turn = {"model": MODEL, "max_tokens": 2, "session_id": chosen, "messages": [{"role": "user", "content": text}]}
+            assert httpx.post(first.url + "/v1/chat/completions", json=turn, headers=headers, timeout=120).status_code == 200
+            assert httpx.post(f"{first.url}/v1/sessions/{chosen}/snapshot", headers=headers).json()["on_disk"]
+        lengths = {k: httpx.get(f"{first.url}/v1/sessions/{chosen}", headers=h).json()["length"] for k, h in (("a", A), ("b", B))}
+    assert lengths["a"] > lengths["b"] > 0
+    with LiveServer(served_model, config, api_keys=keys, name=MODEL) as second:
+        for key, headers in (("a", A), ("b", B)):
+            assert httpx.get(f"{second.url}/v1/sessions/{chosen}", headers=headers).json()["length"] == lengths[key]
+        chat_cached(second.url, B, memo())  # B's own fixed start of a memo, as before
+        assert chat_cached(second.url, B, secret) == chat_cached(second.url, B, stranger)
+        assert chat_cached(second.url, A, secret) >= 160  # A's own blocks come back from disk

@@ -141,7 +141,7 @@ async def messages(body: MessagesRequest, http: HttpRequest):
     chat, prompt = render(http, body)
     forced = tools.forced_tools(chat)
     names = tools.offered_names(chat)
-    req = _start(http, body, prompt, forced, chat.parallel_tool_calls)
+    req = _start(http, body, prompt, forced, tools.parallel_calls(chat))
     if body.stream:
         stream = MessageStream(http, req, names, forced is not None)
         return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)

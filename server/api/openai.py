@@ -84,7 +84,7 @@ def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: li
         return None
     param = named[0]
     if tool_functions is not None:
-        grammar = grammars.tool_calls(tool_functions, body.parallel_tool_calls)
+        grammar = grammars.tool_calls(tool_functions, tools.parallel_calls(body))
     elif rf is not None and rf.type == "json_object":
         grammar = grammars.json_schema({"type": "object"}, param)
     elif rf is not None:

@@ -81,6 +81,12 @@ def forced_tools(body: ChatCompletionRequest) -> list[dict] | None:
     return named
 
 
+def parallel_calls(body: ChatCompletionRequest) -> bool:
+    """Whether a forced reply may hold several calls: a named function is called once, as OpenAI and
+    Anthropic do; "required" may call several unless parallel_tool_calls is off."""
+    return body.parallel_tool_calls and body.tool_choice == "required"
+
+
 def parse_tool_calls(text: str, names: set[str], forced: bool = False) -> tuple[str | None, list[dict]]:
     """Text -> (the content outside the calls, or None; the complete calls of known functions, OpenAI-shaped).
     A call cut short by max_tokens is dropped, never shown as content; a forced reply has no content. With no

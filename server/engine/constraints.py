@@ -93,9 +93,15 @@ class Grammars:
     @staticmethod
     def tool_calls(tools: list[dict], parallel: bool) -> str:
         """One or more (or exactly one) `<tool_call>` blocks, each a JSON call of one of `tools`."""
-        calls = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-        schema = json.dumps({**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT})
+        defs: dict[str, Any] = {}
+        calls = []
+        for i, t in enumerate(tools):
+            at = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{i}/properties/arguments"
+            arguments = _embedded(t["parameters"], defs, f"tool{i}_", at)
+            calls.append({"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": arguments},
+                          "required": ["name", "arguments"], "additionalProperties": False})
+        root = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = json.dumps({**root, **({"$defs": defs} if defs else {}), "x-guidance": JSON_LAYOUT})
         lark = f'start: call{"+" if parallel else ""}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>\\n"'
         return llguidance.LLMatcher.grammar_from_lark(lark)
 
@@ -123,6 +129,31 @@ class Grammars:
             return None
         matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         return Constraint(matcher, Ending(self.vocabulary, self._tokenizer.vocab_size))
+
+
+def _embedded(schema: Any, defs: dict, prefix: str, at: str) -> Any:
+    """A tool's parameter schema as it reads inside the schema of all calls, where its root is `at`: its
+    definitions ($defs, or the older definitions, as pydantic writes for nested models) move to the root's
+    $defs under `prefix`, and every local $ref is rewritten to point where its target now is."""
+    def ref(target: str) -> str:
+        for section in ("#/$defs/", "#/definitions/"):
+            if target.startswith(section):
+                return "#/$defs/" + prefix + target[len(section):]
+        return at + target[1:] if target.startswith("#") else target
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in node.items()}
+
+    if not isinstance(schema, dict):
+        return schema
+    for section in ("$defs", "definitions"):
+        for name, definition in (schema.get(section) or {}).items():
+            defs[prefix + name] = walk(definition)
+    return walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
 
 
 def _forces_past(matcher: llguidance.LLMatcher, limit: int) -> bool:

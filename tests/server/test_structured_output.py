@@ -207,6 +207,33 @@ def test_a_named_tool_choice_calls_that_function(client):
         ask(client, "x", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_date"}})
 
 
+# what pydantic writes for a nested model: the inner model under $defs, reached by $ref
+ORDER = {"type": "function", "function": {"name": "place_order", "parameters": {
+    "$defs": {"Item": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                        "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+                       "required": ["name", "count"], "additionalProperties": False}},
+    "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "place_order"}}],
+                         ids=["required", "named"])
+def test_a_forced_call_with_defs_and_refs_validates(client, choice):
+    r = ask(client, "Order two apples.", tools=[ORDER, TIME], tool_choice=choice, parallel_tool_calls=False, max_tokens=80)
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1 and (choice == "required" or calls[0].function.name == "place_order")
+    schema = {"place_order": ORDER, "get_time": TIME}[calls[0].function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+
+
+def test_a_named_function_is_called_once_even_with_parallel_calls_allowed(client):
+    r = ask(client, "What is the weather in Paris, London, Rome and Oslo?", tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    assert r.usage.completion_tokens < 100
+
+
 def test_a_tool_result_round_trip(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(model=MODEL, temperature=0, messages=messages, tools=[WEATHER],

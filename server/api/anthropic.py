@@ -126,6 +126,7 @@ def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: 
         top_p=body.top_p if body.top_p is not None else 1.0,
         stop=stop,
         grammar=grammar,
+        stop_repeats=tools.CALL_END if forced is not None else None,
     )
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params,
                             resend=True, scheduling=Scheduling(body.priority, body.timeout, body.speculative))[0]

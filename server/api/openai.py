@@ -36,7 +36,7 @@ def _delta(content: str | None, tool_calls: list[dict]) -> dict:
 
 
 def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
-                  grammar: str | None = None) -> SamplingParams:
+                  grammar: str | None = None, forced_calls: bool = False) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -54,6 +54,7 @@ def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int |
         logprobs=logprobs,
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         grammar=grammar,
+        stop_repeats=tools.CALL_END if forced_calls else None,
     )
 
 
@@ -107,7 +108,7 @@ def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, lo
     generation.check_model(http, body.model)
     engine = generation.engine_of(http)
     grammar = output_grammar(engine.grammars, body, tool_functions)
-    params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar)
+    params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar, tool_functions is not None)
     generation.check_stops(http, params.stop, "stop")
     return params
 

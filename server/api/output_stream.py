@@ -22,7 +22,7 @@ class OutputStream:
     def __init__(self, tokenizer, req: Sequence, end_at: Callable[[int], None]) -> None:
         self.req, self.end_at = req, end_at  # end_at(kept): end the request after its first `kept` tokens
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopMatcher(req.params.stop)
+        self.stops = StopMatcher(req.params.stop, req.params.stop_repeats)
         self.text = ""
         self.n_tokens = 0
         self.finished: Finished | None = None  # the end, once the stream has decided it

@@ -183,7 +183,8 @@ def _start(run: _Run, previous: Session | None) -> Sequence:
     prompt = openai.chat_prompt(engine.tokenizer, chat)
     forced = tools.forced_tools(chat)
     grammar = openai.output_grammar(engine.grammars, chat, forced)
-    params = openai.openai_params(chat, body.max_output_tokens, None, engine.model.config.vocab_size, grammar)
+    params = openai.openai_params(chat, body.max_output_tokens, None, engine.model.config.vocab_size, grammar,
+                                  forced is not None)
     run.names = tools.offered_names(chat)
     run.forced = forced is not None
     if not body.store:

@@ -17,6 +17,7 @@ from .schemas import ChatCompletionRequest, ChatMessage
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 OPEN_TAG = "<tool_call>"
+CALL_END = "</tool_call>\n"  # what ends each call of a forced reply (Grammars.tool_calls's layout)
 TOOLS_PROMPT = (
     "You can call functions. They are described, one JSON object each, between <tools> and </tools>:\n"
     "<tools>\n{tools}\n</tools>\n"

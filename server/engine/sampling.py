@@ -30,6 +30,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # The text that ends each block of a reply made of blocks (a forced tool call's): a block identical to an
+    # earlier one ends the reply before it, as a stop string would, so a call is never repeated to the limit
+    stop_repeats: str | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k

@@ -234,6 +234,40 @@ def test_a_named_function_is_called_once_even_with_parallel_calls_allowed(client
     assert r.usage.completion_tokens < 100
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_required_call_ends_without_a_cap_and_never_repeats_itself(client, stream):
+    """Left alone, the model repeats the same call until the context is full; a repeat ends the reply."""
+    r = client.chat.completions.create(model=MODEL, temperature=0, tools=[WEATHER], tool_choice="required",
+                                       messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                       stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}))
+    if stream:
+        chunks = list(r)
+        calls: dict[int, list[str]] = {}
+        for c in chunks:
+            for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+                calls.setdefault(d.index, []).append(d.function.arguments or "")
+        arguments = ["".join(parts) for parts in calls.values()]
+        reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+        used = chunks[-1].usage.completion_tokens
+    else:
+        arguments = [c.function.arguments for c in r.choices[0].message.tool_calls]
+        reason, used = r.choices[0].finish_reason, r.usage.completion_tokens
+    assert reason == "tool_calls" and arguments and used < 100
+    assert len(set(arguments)) == len(arguments)  # no call twice
+
+
+def test_anthropic_any_ends_without_repeating_a_call(fast_server):
+    import anthropic
+
+    tool = {"name": "get_weather", "description": "The current weather in a city",
+            "input_schema": WEATHER["function"]["parameters"]}
+    ac = anthropic.Anthropic(base_url=fast_server.url, api_key="unused", max_retries=0)
+    m = ac.messages.create(model=MODEL, max_tokens=1000, extra_body={"temperature": 0}, tools=[tool],
+                           tool_choice={"type": "any"}, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    uses = [json.dumps(b.input, sort_keys=True) for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses and len(set(uses)) == len(uses) and m.usage.output_tokens < 100
+
+
 def test_a_tool_result_round_trip(client):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(model=MODEL, temperature=0, messages=messages, tools=[WEATHER],

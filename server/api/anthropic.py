@@ -114,9 +114,14 @@ def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionR
 def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: list[dict] | None,
            parallel: bool) -> Sequence:
     engine = generation.engine_of(http)
-    grammar = None
+    grammar, output = None, body.output_schema()
+    if forced is not None and output is not None:
+        raise InvalidRequest("a forced tool_choice and a structured output format cannot both constrain the reply",
+                             param=output[1])
     if forced is not None:
         grammar = engine.grammars.check(engine.grammars.tool_calls(forced, parallel), "tool_choice")
+    elif output is not None:
+        grammar = engine.grammars.check(engine.grammars.json_schema(*output), output[1])
     stop = tuple(body.stop_sequences or ())
     generation.check_stops(http, stop, "stop_sequences", "stop sequences")
     params = SamplingParams(

@@ -93,6 +93,18 @@ class CountTokensRequest(_Body):
     cache_control: CacheControl = None
 
 
+class OutputFormat(_Body):
+    """Structured output: the reply's text is JSON matching the schema."""
+
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high"] | None = None  # thinking effort: no model here thinks, so none to spend
+
+
 class MessagesRequest(CountTokensRequest):
     """`/v1/messages` body (plus kvserve's session, priority and timeout)."""
 
@@ -107,6 +119,14 @@ class MessagesRequest(CountTokensRequest):
     priority: Priority = 0
     timeout: Timeout | None = None
     speculative: bool | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the beta's name for output_config.format
+
+    def output_schema(self) -> tuple[dict[str, Any], str] | None:
+        """The JSON schema the reply must match, and where it was given, if any."""
+        if self.output_config is not None and self.output_config.format is not None:
+            return self.output_config.format.schema_, "output_config.format.schema"
+        return (self.output_format.schema_, "output_format.schema") if self.output_format is not None else None
 
 
 class ErrorDetail(BaseModel):

@@ -263,3 +263,29 @@ def test_parallel_tool_calls_stream_as_one_block_each(client, question):
     for block in complete:
         assert block.type == "tool_use" and block.name == "get_weather"
         jsonschema.validate(block.input, WEATHER["input_schema"])
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("max_tokens", [24, 200])
+@pytest.mark.parametrize("field", ["output_config", "output_format"])
+def test_structured_output_is_json_matching_the_schema_within_max_tokens(client, field, max_tokens):
+    fmt = {"type": "json_schema", "schema": PERSON}
+    extra = {"output_config": {"format": fmt}} if field == "output_config" else {"output_format": fmt}
+    m = ask(client, "Describe a person as JSON.", max_tokens=max_tokens, extra_body=extra)
+    assert [b.type for b in m.content] == ["text"] and m.usage.output_tokens <= max_tokens
+    jsonschema.validate(json.loads(m.content[0].text), PERSON)
+    with client.messages.stream(model=MODEL, max_tokens=max_tokens, messages=[{"role": "user", "content": "A person."}],
+                                extra_body={**GREEDY, **extra}) as stream:
+        text = "".join(stream.text_stream)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_structured_output_and_a_forced_tool_cannot_both_constrain(client):
+    with pytest.raises(anthropic.BadRequestError, match="cannot both constrain"):
+        ask(client, tools=[WEATHER], tool_choice={"type": "any"},
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": PERSON}}})

@@ -3,7 +3,8 @@
 Layout, under `--kv-disk DIR`:
     DIR/<identity>/manifest.json         what the identity hashes: weights, weight mode, KV dtype, block size, tokenizer
     DIR/<identity>/blocks/ab/cd/<hash>   one full block: header, token ids, K, V, then a checksum of all of it
-    DIR/<identity>/sessions/<id>.json    a persistent session's record (tokens, capacity, sizing, owner hash, expiry, identity)
+    DIR/<identity>/sessions/<key>.json   a persistent session's record (id, tokens, capacity, sizing, owner hash, expiry,
+                                         identity), by its id within its owner's namespace
 The identity folder keeps the KV of one model (and KV dtype, and block size) apart from every other:
 a server with another identity sees none of it, so it never serves KV another model wrote. A block is
 named by its chained hash (which covers every token before it) and re-checked on the way back: its

@@ -20,7 +20,7 @@ STAMP_RUN := $(VENV)/.installed
 STAMP_TEST := $(VENV)/.installed-test
 STAMP_BENCH := $(VENV)/.installed-bench
 
-.PHONY: test test-fast serve install loadtest bench compare clean system-deps
+.PHONY: test test-busy test-fast serve install loadtest bench compare clean system-deps
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -57,6 +57,10 @@ PYTEST = $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP_TEST) system-deps
 	$(PYTEST) -m "not timing" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m timing $(PYTEST_ARGS)
+
+# the suite beside other work: one core kept busy by a bounded loop for the whole run
+test-busy: $(STAMP_TEST) system-deps
+	timeout 7200 $(PY) -c 'while True: pass' & hog=$$!; $(MAKE) test; rc=$$?; kill $$hog; exit $$rc
 
 # the same suite without the long drills (marked slow), for a quick loop while working
 test-fast: $(STAMP_TEST) system-deps

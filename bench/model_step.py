@@ -42,7 +42,8 @@ def main() -> None:
 
     def forward(tokens, positions, rows):
         with torch.inference_mode():
-            return model.forward(torch.tensor([tokens]), torch.tensor(positions).unsqueeze(1), torch.tensor(rows))
+            return model.forward(torch.tensor([tokens]), torch.tensor(positions).unsqueeze(1), torch.tensor(rows),
+                                 torch.zeros(0, dtype=torch.long))[0]  # no hidden rows: a step without embeddings
 
     for b in [int(x) for x in args.batches.split(",")]:
         keys = [f"bench-{b}-{i}" for i in range(b)]

@@ -14,6 +14,8 @@ import os
 import re
 from pathlib import Path
 
+from .disk_files import Refused, open_lock, read_regular, write_atomic
+
 log = logging.getLogger("kvserve.disk")
 
 RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -28,6 +30,7 @@ class SessionRecords:
         self._claims: dict[str, int] = {}  # session key -> the open, flock-ed lock file that makes it ours
         self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
         self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
+        self._refused: set[str] = set()  # keys whose lock file is no file of ours (a symlink): warned about once
 
     def save_session(self, record: dict) -> None:
         """Write a session's record behind (temporary file, fsync, rename)."""
@@ -43,22 +46,29 @@ class SessionRecords:
     def _record_at(self, path: Path) -> dict:
         """The session record in `path` -> raises OSError, or ValueError unless it parses as one and was
         written for this model identity."""
-        record = json.loads(path.read_text())
+        record = json.loads(read_regular(path))
         if not _valid_record(record) or record.get("identity") != self.identity:
             raise ValueError("not a session record of this model identity")
         return {**record, "key": record.get("key", record["id"])}  # records before namespaces: the id
 
     def claim(self, key: str) -> bool:
         """Make a session this server's alone, among the servers sharing the folder -> False if another
-        live server holds it. The claim is an flock on the session's lock file: the kernel releases it
-        when the holder dies, however it dies, so a session outlives its server on shared storage."""
+        live server holds it, or its lock file is refused (a symlink: kvcache/disk_files.py). The claim is
+        an flock on the session's lock file: the kernel releases it when the holder dies, however it dies,
+        so a session outlives its server on shared storage."""
         self._deleted.discard(key)  # a new session under a key deleted earlier
         with self._lock:
             self._letting_go.discard(key)  # ours again: the writer keeps the lock it was to drop
         if key in self._claims or not self.healthy:
             return True
         try:
-            fd = os.open(self.root / "sessions" / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.root / "sessions" / f"{key}.lock")
+        except Refused as e:  # planted by someone who may write in the folder: not a claim anyone holds
+            if key not in self._refused:
+                self._refused.add(key)
+                self.stats.errors += 1
+                log.warning("kv disk: lock of session %s refused (%s); the session is not taken", key, e.strerror)
+            return False
         except OSError as e:
             self._fail(e)
             return True
@@ -106,6 +116,9 @@ class SessionRecords:
                 if path.name != f"{record['key']}.json":
                     raise ValueError("a record under another session's name")
                 records.append(record)
+            except Refused as e:
+                self.stats.errors += 1
+                log.warning("kv disk: session record %s refused (%s); skipped", path.name, e.strerror)
             except (OSError, ValueError):
                 self.stats.errors += 1
                 log.warning("kv disk: session record %s does not parse; skipped", path.name)
@@ -137,15 +150,3 @@ def _valid_record(r) -> bool:
             and (r.get("key") is None or isinstance(r["key"], str) and RECORD_KEY.fullmatch(r["key"]) is not None)
             and (r.get("salt") is None or isinstance(r["salt"], str))
             and all(r.get(k) is None or type(r[k]) in (int, float) for k in ("expires", "used_at")))
-
-
-def write_atomic(path: Path, data: bytes | list, sync: bool = False) -> None:
-    """Write `data` (bytes, or buffers written in turn, never joined) to a temporary file, then rename it."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two servers on one folder never share one
-    with open(tmp, "wb") as f:
-        for part in data if isinstance(data, list) else [data]:
-            f.write(part)
-        if sync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from .disk_records import SessionRecords, write_atomic
+from .disk_files import Refused, make_folders, read_regular, write_atomic
+from .disk_records import SessionRecords
 
 log = logging.getLogger("kvserve.disk")
 
@@ -75,8 +76,8 @@ class DiskTier(SessionRecords):
         self.events: list[tuple] | None = None
         self._init_records()
         try:
-            (self.root / "blocks").mkdir(parents=True, exist_ok=True)
-            (self.root / "sessions").mkdir(exist_ok=True)
+            make_folders(self.root / "blocks", Path(root))
+            make_folders(self.root / "sessions", Path(root))
             write_atomic(self.root / "manifest.json", json.dumps({"identity": identity}, indent=2).encode())
             self._scan()
         except OSError as e:
@@ -138,8 +139,9 @@ class DiskTier(SessionRecords):
     def _read(self, digest: bytes, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         path = self._path(digest)
         try:
-            with open(path, "rb") as f:
-                data = bytearray(f.read(self.file_bytes + 1))
+            data = bytearray(read_regular(path, self.file_bytes + 1))
+        except Refused:  # a symlink, say: dropped as a damaged block is, and never read
+            data = bytearray()
         except OSError:
             self._forget(digest)
             return None
@@ -214,7 +216,7 @@ class DiskTier(SessionRecords):
             for part in parts:
                 crc = zlib.crc32(part, crc)
             path = self._path(digest)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            make_folders(path.parent, self.root / "blocks")
             write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
             with self._lock:
                 self._on_disk[digest] = None

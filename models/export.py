@@ -27,7 +27,9 @@ from .llama import Transformer
 from .quant import WEIGHT_MODES, convert_linears, model_kernels_available
 from .tokenizer import TextTokenizer
 
-ARTIFACT_FORMAT = 8  # 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a layer; 5: panels at load)
+# 9: hidden rows as a second input and output; 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a
+# layer; 5: panels at load)
+ARTIFACT_FORMAT = 9
 # The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
 # Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
 # far longer than the forward it describes; fx's source is readable, and runs as it was exported.
@@ -43,7 +45,8 @@ class LoadedModel:
     """An exported program ready to run, with the config and tokenizer it came with."""
 
     config: ModelConfig
-    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    # (tokens, positions, logits rows, hidden rows) -> (logits, final normed hidden states): Transformer.forward
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     tokenizer: TextTokenizer
     name: str
     dtype: torch.dtype
@@ -94,12 +97,14 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
 
 
 def export_program(model: Transformer) -> torch.export.ExportedProgram:
-    """One program for prefill, chunks and decode: the token and logit-row counts are dynamic."""
+    """One program for prefill, chunks and decode: the token, logit-row and hidden-row counts are dynamic
+    (no hidden rows at all in a step without embeddings)."""
     max_ctx = max(model.config.max_context, 16)
     n, m = Dim("n_tokens", min=1, max=max_ctx), Dim("n_logits", min=1, max=max_ctx)
-    example = (torch.zeros(1, 4, dtype=torch.long), torch.arange(4).unsqueeze(1), torch.tensor([1, 3]))
+    h = Dim("n_hidden", min=0, max=max_ctx)
+    example = (torch.zeros(1, 4, dtype=torch.long), torch.arange(4).unsqueeze(1), torch.tensor([1, 3]), torch.tensor([0, 2, 3]))
     with torch.no_grad():
-        return torch.export.export(model, example, dynamic_shapes=({1: n}, {0: n}, {0: m}), strict=False)
+        return torch.export.export(model, example, dynamic_shapes=({1: n}, {0: n}, {0: m}, {0: h}), strict=False)
 
 
 def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:

@@ -136,7 +136,8 @@ class Layers(nn.ModuleList):
 
 
 class Transformer(nn.Module):
-    """Decoder over a flat step of tokens from many sessions; returns logits for the sampled rows only."""
+    """Decoder over a flat step of tokens from many sessions; returns logits for the sampled rows only, and
+    the final normed hidden states of the rows an embedding pools (none in most steps)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -153,12 +154,17 @@ class Transformer(nn.Module):
         """Recompute non-weight tensors after building on the meta device."""
         self.inv_freq = rope_inv_freq(self.config)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        """tokens [1, n] int64, positions [n, 1] int64, logits_indices [m] int64 -> logits [m, vocab] float32."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                hidden_indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [1, n] int64, positions [n, 1] int64, logits_indices [m] int64, hidden_indices [h] int64 ->
+        (logits [m, vocab] float32, hidden [h, dim] float32: the final norm's output at those rows)."""
         x = self.embed_tokens(tokens)  # [1, n, dim]
         angles = positions.float() * self.inv_freq  # [n, D/2]
         angles = torch.cat((angles, angles), dim=-1)  # [n, D]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        x = self.layers(x, positions, cos, sin)  # [1, n, dim]
-        x = x[0].index_select(0, logits_indices)  # [m, dim]
-        return self.lm_head(self.norm(x)).float()
+        x = self.layers(x, positions, cos, sin)[0]  # [n, dim]
+        logits = self.lm_head(self.norm(x.index_select(0, logits_indices))).float()  # [m, vocab]
+        # the norm works row by row, so a row's hidden state does not depend on what shares its step; a
+        # step without embedding rows selects none
+        hidden = self.norm(x.index_select(0, hidden_indices)).float()  # [h, dim]
+        return logits, hidden

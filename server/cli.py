@@ -14,7 +14,7 @@ import uvicorn
 from kvcache import Sizing
 
 from . import cluster
-from .config import KV_DTYPES, EngineConfig, ServerConfig, parse_bytes
+from .config import KV_DTYPES, POOLINGS, EngineConfig, ServerConfig, parse_bytes
 from .engine.drafts import MODES, SpeculationConfig
 from .listener import uvicorn_config
 
@@ -75,6 +75,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix-cache", action="store_true",
                    help="tenants share cached prefixes (a common system prompt); else each tenant's are its own, so "
                         "none can learn from cached_tokens or timing what another sent")
+    p.add_argument("--pooling", choices=POOLINGS, default=d.pooling,
+                   help="embeddings (/v1/embeddings, /api/embed): the mean of the prompt's final normed hidden states, "
+                        "or the last token's; L2-normalized either way")
     p.add_argument("--tenant-weights", default="", metavar="NAME=W,...",
                    help="shares of served tokens: NAME is an API key or a --tenant-header value; others weigh 1")
 
@@ -114,6 +117,7 @@ def _engine_config(args) -> EngineConfig:
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         shared_prefix_cache=args.shared_prefix_cache,
+        pooling=args.pooling,
     )
 
 
@@ -206,6 +210,7 @@ def cmd_serve(args) -> int:
     from models.loader import load_model
 
     from .api.app import create_app
+    from .api.model_names import parse_names
     from .engine.engine import Engine
     from .engine.model_thread import model_thread
 
@@ -213,17 +218,21 @@ def cmd_serve(args) -> int:
     worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own
     model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
                           trust_artifact=args.trust_artifact).result()
-    name = args.served_model_name or (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
+    names = parse_names(args.served_model_name or ())
+    name = names[0] if names else (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
     server_config = ServerConfig(model_name=name, max_body_bytes=args.max_body_bytes, shutdown_timeout=args.shutdown_timeout,
+                                 model_aliases=names[1:],
+                                 header_timeout=args.header_timeout,
                                  tenant_header=args.tenant_header, trusted_proxies=tuple(args.trusted_proxy or ()),
                                  allowed_origins=_origins(args.allowed_origins or ()), host=args.host,
                                  allowed_hosts=_origins(args.allowed_hosts or ()), admin_key=args.admin_key)
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
-    server = DrainingServer(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5), engine, args.shutdown_timeout)
+    server = DrainingServer(uvicorn_config(app, args.host, args.port, header_timeout=server_config.header_timeout,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5),
+                            engine, args.shutdown_timeout)
     server.run()
     return 0
 
@@ -293,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", action="append", metavar="NAME,...",
+                   help="the model's name in the API (default: --model's); more names, comma-separated or repeated, "
+                        "are aliases clients may call it by")
     p.add_argument("--api-key", action="append", help="require this Bearer key (repeat for several keys); each key is a tenant")
     p.add_argument("--tenant-header", default=None, metavar="NAME",
                    help="a gateway's header naming the tenant (honoured under an API key, or from a --trusted-proxy)")
@@ -307,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the operator's key: under --api-key, /metrics and /get_load (every tenant's figures) need it")
     p.add_argument("--max-body-bytes", type=parse_bytes, default=ServerConfig().max_body_bytes)
     p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
+    p.add_argument("--header-timeout", type=float, default=ServerConfig().header_timeout,
+                   help="seconds a request's line and headers may take to arrive before the connection is closed")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_serve)
 

@@ -23,6 +23,7 @@ def parse_bytes(text: str | int) -> int:
 
 
 KV_DTYPES = ("auto", "float32", "float16")
+POOLINGS = ("mean", "last")  # how an embedding pools its prompt's final hidden states (llama-server's --pooling)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class EngineConfig:
     # Tenants share cached prefixes (a common system prompt) instead of each hashing from its own salt; a
     # tenant can then learn, from cached_tokens or timing, which prefixes another sent
     shared_prefix_cache: bool = False
+    pooling: str = "mean"  # embeddings: the mean of the prompt's final normed hidden states, or the last token's
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",
@@ -76,6 +78,8 @@ class EngineConfig:
         object.__setattr__(self, "session_sizing", Sizing(self.session_sizing))
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
 
     def per_key(self, name: str) -> int:
         """A tenant's limit: max_sessions_per_key and the like, or the server-wide one it defaults to."""
@@ -94,8 +98,12 @@ class ServerConfig:
     """HTTP-facing settings."""
 
     model_name: str = "model"
+    # other names clients may call it by (--served-model-name's names after the first); listed in /v1/models too
+    model_aliases: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
     shutdown_timeout: float = 30.0
+    # seconds each request's line and headers may take to arrive, so a client trickling them cannot hold a connection
+    header_timeout: float = 10.0
     # A gateway's header naming the tenant a request is for: honoured under an API key, or from these proxies
     tenant_header: str | None = None
     trusted_proxies: tuple[str, ...] = ()
@@ -104,3 +112,7 @@ class ServerConfig:
     host: str = "127.0.0.1"  # the address it listens on: on loopback, only this machine's Host names are answered
     allowed_hosts: tuple[str, ...] = ()  # Host names answered besides those ("*": any)
     admin_key: str | None = None  # opens the operator's routes (/metrics, /get_load) under API keys
+
+    def __post_init__(self) -> None:
+        if not self.header_timeout > 0:  # not 0 or NaN either: every connection would be closed at once
+            raise ValueError(f"header_timeout must be positive, got {self.header_timeout}")

@@ -67,3 +67,9 @@ class ShuttingDown(ApiError):
 
 class StepFailed(ApiError):
     status, kind = 500, "server_error"
+
+
+class NotSupported(ApiError):
+    """A route of another server's API that kvserve does not implement (Ollama's model management)."""
+
+    status, kind = 501, "not_implemented_error"

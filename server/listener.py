@@ -12,11 +12,15 @@ import ipaddress
 
 import uvicorn
 
+from .header_timeout import protocol_class
+
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
-def uvicorn_config(app, host: str, port: int, **options) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, proxy_headers=False, **options)
+def uvicorn_config(app, host: str, port: int, header_timeout: float = 10.0, **options) -> uvicorn.Config:
+    """`header_timeout`: seconds each request's line and headers may take to arrive (server/header_timeout.py)."""
+    return uvicorn.Config(app, host=host, port=port, proxy_headers=False, http=protocol_class(header_timeout),
+                          **options)
 
 
 def allowed_hosts(bind: str, extra: tuple[str, ...]) -> frozenset[str] | None:

@@ -23,10 +23,12 @@ class LiveServer:
     def __init__(self, model, engine_config: EngineConfig | None = None, api_keys=(), name="smollm2-135m-instruct",
                  server_config: ServerConfig | None = None):
         self.engine = Engine(model, engine_config or EngineConfig())
-        self.app = create_app(self.engine, server_config or ServerConfig(model_name=name), frozenset(api_keys))
+        server_config = server_config or ServerConfig(model_name=name)
+        self.app = create_app(self.engine, server_config, frozenset(api_keys))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port, log_level="warning",
+                                                    header_timeout=server_config.header_timeout))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Scheduling, Sequence
 from ..errors import InvalidRequest
-from . import generation, tools
+from . import anthropic_checks, generation, tools
 from .anthropic_schemas import (ERROR_RESPONSES, CountTokensRequest, MediaBlock, Message, MessagesRequest, TextBlock,
                                 ToolResultBlock, ToolUseBlock)
 from .anthropic_stream import MessageStream, matched_stop, message, stop_reason, tool_use_id, usage
@@ -103,6 +103,8 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
 def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionRequest, list[int]]:
     """The request's chat and its prompt's tokens, through the chat template as for /v1/chat/completions."""
     generation.check_model(http, body.model)
+    anthropic_checks.check_tools(body.tools or [])
+    anthropic_checks.check_turns(body.messages)
     tok = generation.engine_of(http).tokenizer
     chat = chat_request(body)
     messages, template_tools = tools.chat_messages(chat, tok.template_has_tools)

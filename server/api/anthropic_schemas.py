@@ -7,12 +7,38 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from . import schemas
 from .schemas import MAX_TOKENS_LIMIT, Priority, StopList, Timeout, _Body
 
 CacheControl = dict[str, Any] | None
+
+
+TEXT_TYPES = ("text",)
+RESULT_TYPES = ("text", "image", "document")  # what a tool_result's content holds
+BLOCK_TYPES = (*RESULT_TYPES, "tool_use", "tool_result")
+
+
+def known_blocks(value: Any, types: tuple[str, ...], where: str = "") -> Any:
+    """Content as a string or a list of blocks of these types: anything else is refused by what it is (pydantic
+    alone would first report the string the content is not)."""
+    if isinstance(value, str) or value is None:
+        return value
+    if not isinstance(value, list):
+        raise PydanticCustomError("content", "content is a string or a list of content blocks")
+    for j, block in enumerate(value):
+        kind, at = block.get("type") if isinstance(block, dict) else None, f"{where}{j}"
+        if not isinstance(kind, str):
+            raise PydanticCustomError("content_block", "content block {at} is not an object with a type", {"at": at})
+        if kind not in types:
+            raise PydanticCustomError("content_block_type", "content block {at} has type {kind}, which is not "
+                                      "supported here (supported: {types})",
+                                      {"at": at, "kind": repr(kind[:64]), "types": ", ".join(types)})
+        if kind == "tool_result":
+            known_blocks(block.get("content"), RESULT_TYPES, f"{at}.content.")
+    return value
 
 
 class TextBlock(_Body):
@@ -49,6 +75,11 @@ class ToolResultBlock(_Body):
     is_error: bool | None = None
     cache_control: CacheControl = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        return known_blocks(value, RESULT_TYPES)
+
 
 Block = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
 
@@ -56,6 +87,11 @@ Block = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock], F
 class Message(_Body):
     role: Literal["user", "assistant"]
     content: str | Annotated[list[Block], Field(max_length=4096)]
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        return known_blocks(value, BLOCK_TYPES)
 
 
 class Tool(_Body):
@@ -91,6 +127,11 @@ class CountTokensRequest(_Body):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl = None
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _text_system(cls, value: Any) -> Any:
+        return known_blocks(value, TEXT_TYPES)
 
 
 class OutputFormat(_Body):

@@ -15,7 +15,7 @@ from starlette.middleware.cors import CORSMiddleware
 from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import ApiError, InvalidRequest, NotFound
-from . import anthropic, console, misc, ollama, openai, responses, sessions, tgi
+from . import anthropic, console, embeddings, misc, ollama, ollama_manage, openai, responses, sessions, tgi
 from .guard import GuardMiddleware, error_response
 
 log = logging.getLogger("kvserve.app")
@@ -46,7 +46,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
     app.state.instance_id = uuid.uuid4().hex  # this process's boot id: a router tells a restarted replica by it
-    for module in (console, tgi, openai, responses, anthropic, ollama, sessions, misc):
+    for module in (console, tgi, openai, responses, anthropic, ollama, ollama_manage, embeddings, sessions, misc):
         app.include_router(module.router)
 
     @app.exception_handler(ApiError)

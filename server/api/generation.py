@@ -14,6 +14,7 @@ from ..engine.engine import Engine
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import ApiError, InvalidRequest, NotFound, quoted
+from . import model_names
 from .output_stream import OutputStream
 
 
@@ -29,9 +30,12 @@ def owner_of(http: HttpRequest) -> str | None:
 
 
 def check_model(http: HttpRequest, model: str | None) -> None:
-    served = http.app.state.config.model_name
-    if model is not None and model not in (served, "", "tgi"):
-        raise NotFound(f"the model {quoted(model)} does not exist; this server serves {served!r}", param="model")
+    """A served name or alias, with or without `:latest` (model_names.py); the empty string means the served
+    model, as vLLM reads it, and "tgi" too, which TGI's clients send to its OpenAI routes."""
+    config = http.app.state.config
+    if model is not None and model not in ("", "tgi") and model_names.resolve(config, model) is None:
+        raise NotFound(f"the model {quoted(model)} does not exist; this server serves {config.model_name!r}",
+                       param="model")
 
 
 def check_stops(http: HttpRequest, stop: tuple[str, ...], param: str, noun: str = "stop strings") -> None:

@@ -23,7 +23,7 @@ from ..config import ServerConfig
 from ..listener import allowed_hosts, host_name
 from ..engine.session import principal
 from ..errors import ApiError, Forbidden, InvalidRequest, PayloadTooLarge, Unauthorized
-from . import anthropic, console, ollama
+from . import anthropic, console, ollama, responses_errors
 
 PUBLIC_PATHS = {"/health"}
 OPERATOR_PATHS = {"/metrics", "/get_load"}  # every tenant's load: the operator's, under keys
@@ -33,9 +33,9 @@ BODY_METHODS = ("POST", "PUT", "PATCH")
 
 def error_response(err: ApiError, path: str = "") -> JSONResponse:
     """Every error's JSON: in Anthropic's or Ollama's shape under their routes (their clients read no other),
-    else OpenAI's."""
+    else OpenAI's (under /v1/responses, with the Responses API's string codes)."""
     body = (anthropic.error_body(err) if anthropic.owns(path) else ollama.error_body(err) if ollama.owns(path)
-            else err.body())
+            else responses_errors.error_body(err) if responses_errors.owns(path) else err.body())
     return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
@@ -93,7 +93,8 @@ class GuardMiddleware:
 
     def _key(self, headers: dict, path: str, method: str) -> str | None:
         """The key the request presents, checked for the route -> the key, or None where none is needed."""
-        public = path in PUBLIC_PATHS or (method == "GET" and path in console.PUBLIC_PAGES)
+        # HEAD / too: Ollama's clients probe that a server is up with it
+        public = path in PUBLIC_PATHS or (method in ("GET", "HEAD") and path in console.PUBLIC_PAGES)
         operator = path in OPERATOR_PATHS and (self.keys or self.admin is not None)
         if public or not (self.keys or operator):
             return None

@@ -9,15 +9,16 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import time
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..engine.sequence import Finished, Sequence, TokenEvent
 from ..errors import ApiError, InvalidRequest, NotFound
-from . import generation, openai, tools
+from . import generation, model_names, openai, tools
 from .ollama_schemas import DEFAULTS, ERRORS, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from .schemas import ChatCompletionRequest
 from .tool_stream import ToolCallStream
@@ -31,6 +32,7 @@ NDJSON = "application/x-ndjson"
 BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q4": 20 / 32}  # q4: Q4_1 blocks of 32 weights in 20 bytes
 STREAMED = {200: {"content": {NDJSON: {}}, "description": "One JSON object a line (or one object, with stream false)"}}
 router = APIRouter(tags=["ollama"], responses=ERRORS)
+log = logging.getLogger("kvserve.ollama")
 
 
 def owns(path: str) -> bool:
@@ -46,15 +48,12 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _tagged(name: str) -> str:
-    return name if ":" in name else name + ":latest"
-
-
 def _check_model(http: HttpRequest, model: str) -> None:
-    """Ollama names carry a tag ("smollm2:latest"): the served name, with or without one, is this model."""
-    served = http.app.state.config.model_name
-    if served not in (model, model.rsplit(":", 1)[0]):
-        raise NotFound(f"model {model!r} not found: this server serves {_tagged(served)!r}", param="model")
+    """Ollama names carry a tag: a served name (or alias) is this model bare or as `:latest`, the tag
+    /api/tags lists; another tag is another model, not found, in Ollama's words."""
+    if model_names.resolve(http.app.state.config, model) is None:
+        shown = model if len(model) <= 64 else model[:61] + "..."
+        raise NotFound(f"model '{shown}' not found", param="model")
 
 
 def _grammar(http: HttpRequest, body, tools_offered: bool) -> str | None:
@@ -74,13 +73,13 @@ def _start(http: HttpRequest, body, prompt: list[int], tools_offered: bool = Fal
     o = body.options
     max_tokens = o.num_predict if o.num_predict is not None and o.num_predict >= 0 else None
     if o.num_ctx is not None:
-        if o.num_ctx > engine.max_context:
-            raise InvalidRequest(f"num_ctx {o.num_ctx} exceeds this model's context of {engine.max_context} tokens",
+        num_ctx = min(o.num_ctx, engine.max_context)  # as Ollama: a window past the model's is cut to it
+        if num_ctx < o.num_ctx:
+            log.warning("num_ctx %d exceeds the model's context of %d tokens: using %d", o.num_ctx, num_ctx, num_ctx)
+        if len(prompt) >= num_ctx:
+            raise InvalidRequest(f"the prompt of {len(prompt)} tokens does not fit in num_ctx {num_ctx}",
                                  param="options.num_ctx")
-        if len(prompt) >= o.num_ctx:
-            raise InvalidRequest(f"the prompt of {len(prompt)} tokens does not fit in num_ctx {o.num_ctx}",
-                                 param="options.num_ctx")
-        room = o.num_ctx - len(prompt)
+        room = num_ctx - len(prompt)
         max_tokens = room if max_tokens is None else min(room, max_tokens)
     params = o.sampling(max_tokens, _grammar(http, body, tools_offered))
     generation.check_stops(http, params.stop, "options.stop")
@@ -168,10 +167,12 @@ async def _respond(reply: _Reply, stream: bool):
     return reply.whole(finished)
 
 
-def _loaded(model: str, chat: bool, stream: bool):
-    """Ollama's answer to a request with nothing to generate from: the model is loaded (clients warm it so)."""
+def _loaded(model: str, chat: bool, stream: bool, unload: bool):
+    """Ollama's answer to a request with nothing to generate from: the model is loaded (clients warm it so),
+    or, under keep_alive 0, unloaded (clients free it so; here it stays loaded for the server's life)."""
     out = {"model": model, "created_at": _now(), **({"message": {"role": "assistant", "content": ""}} if chat
-                                                     else {"response": ""}), "done": True, "done_reason": "load"}
+                                                     else {"response": ""}), "done": True,
+           "done_reason": "unload" if unload else "load"}
     return StreamingResponse(iter([_line(out)]), media_type=NDJSON) if stream else out
 
 
@@ -186,7 +187,7 @@ async def chat(body: OllamaChatRequest, http: HttpRequest):
     for i, m in enumerate(body.messages):
         _no_images(m.images, f"messages.{i}.images")
     if not body.messages:
-        return _loaded(body.model, True, body.stream)
+        return _loaded(body.model, True, body.stream, body.unloads)
     tok = generation.engine_of(http).tokenizer
     as_openai = ChatCompletionRequest(messages=[{
         "role": m.role, "content": m.content or "",
@@ -209,7 +210,7 @@ async def generate(body: OllamaGenerateRequest, http: HttpRequest):
     if body.template:
         raise InvalidRequest("template is not supported: kvserve renders the model's own chat template", param="template")
     if not body.prompt and not body.context:
-        return _loaded(body.model, False, body.stream)
+        return _loaded(body.model, False, body.stream, body.unloads)
     tok = generation.engine_of(http).tokenizer
     context = list(body.context or [])
     if body.raw:
@@ -234,7 +235,7 @@ def _parameter_count(c) -> int:
 def _describe(http: HttpRequest) -> dict:
     """The served model as /api/tags lists it; its size is estimated from its weights' count and format."""
     model = generation.engine_of(http).model
-    name, count = _tagged(http.app.state.config.model_name), _parameter_count(model.config)
+    name, count = model_names.tagged(http.app.state.config.model_name), _parameter_count(model.config)
     digest = model.fingerprint or hashlib.sha256(f"{model.name}/{model.weights}".encode()).hexdigest()
     size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     details = {"parent_model": "", "format": "kvserve", "family": model.config.architecture,
@@ -278,6 +279,12 @@ async def ps(http: HttpRequest) -> dict:
     forever = "2318-01-01T00:00:00Z"
     return {"models": [{**_describe(http), "expires_at": forever, "size_vram": 0,
                         "context_length": generation.engine_of(http).max_context}]}
+
+
+@router.head("/", include_in_schema=False, response_class=Response)
+async def running() -> Response:
+    """Ollama's root answers HEAD (its clients' probe that a server is up); GET / stays the console's page."""
+    return Response(status_code=200)
 
 
 @router.get("/api/version")

@@ -6,18 +6,24 @@ otherwise, by name: a client must not get a different sampler than it asked for 
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ..engine.sampling import SamplingParams
 from .schemas import MAX_TOKENS_LIMIT, StopList, Tool, _Body
 
-# Ollama's own defaults, where a request names none (its repeat_penalty 1.1 over the last 64 tokens has
-# no counterpart here: kvserve's penalties look at the whole context, so it defaults to off)
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
-# an option kvserve does not implement -> the value at which it changes nothing
-OFF_VALUES = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0}
+# Ollama's own defaults, where a request names none. Its repeat_penalty 1.1 is left out: without it the
+# routes' greedy text stays the OpenAI routes' (a client that sends it gets it, over repeat_last_n's window).
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_last_n": 64}
+# an option kvserve does not implement -> the value at which it changes nothing (llama.cpp dropped
+# tail-free sampling, so Ollama's runners no longer honour it either)
+OFF_VALUES = {"tfs_z": 1.0}
+# keep_alive as a Go duration, as Ollama parses it ("5m", "1h30m", "0"): a unit after every number
+_DURATION_PART = r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)"
+_DURATION = re.compile(rf"[-+]?(0|({_DURATION_PART})+)")
+_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 class OllamaOptions(_Body):
@@ -35,11 +41,11 @@ class OllamaOptions(_Body):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repeat_last_n: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
-    typical_p: float | None = None
+    typical_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None  # 1: off
     tfs_z: float | None = None
-    mirostat: int | None = None
-    mirostat_tau: float | None = None  # only read by mirostat, which must be off
-    mirostat_eta: float | None = None
+    mirostat: Annotated[int, Field(ge=0, le=2)] | None = None  # 0: off; 1 or 2: its version, in place of the filters
+    mirostat_tau: Annotated[float, Field(ge=0.0, le=100.0)] | None = None  # only read by mirostat
+    mirostat_eta: Annotated[float, Field(ge=0.0, le=10.0)] | None = None
     penalize_newline: bool | None = None  # Ollama's own engine no longer reads it
     # how the model is loaded and run, not what it samples
     num_keep: int | None = None  # what a context shift keeps; kvserve never shifts (it refuses what does not fit)
@@ -62,24 +68,26 @@ class OllamaOptions(_Body):
             value = getattr(self, name)
             if value is not None and value != off:
                 raise ValueError(f"'{name}' is not supported (only {off}, which turns it off)")
-        penalized = (self.repeat_penalty or 1.0) != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
-        if penalized and self.repeat_last_n not in (None, -1):
-            raise ValueError("'repeat_last_n' is not supported: kvserve's penalties look at the whole context; "
-                             "send -1 or leave it out")
         return self
 
     def sampling(self, max_tokens: int | None, grammar: str | None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        on = self.repeat_last_n != 0  # Ollama's 0: an empty penalty window, so no penalties
+        defaults = SamplingParams()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature if self.temperature is not None else DEFAULTS["temperature"],
             top_k=self.top_k if self.top_k is not None else DEFAULTS["top_k"],
             top_p=self.top_p if self.top_p is not None else DEFAULTS["top_p"],
             min_p=self.min_p or 0.0,
-            repetition_penalty=(self.repeat_penalty or 1.0) if on else 1.0,
-            presence_penalty=(self.presence_penalty or 0.0) if on else 0.0,
-            frequency_penalty=(self.frequency_penalty or 0.0) if on else 0.0,
+            repetition_penalty=self.repeat_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            # as llama.cpp: the penalties count the last repeat_last_n tokens of the context (-1: all; 0: none)
+            penalty_window=self.repeat_last_n if self.repeat_last_n is not None else DEFAULTS["repeat_last_n"],
+            typical_p=self.typical_p if self.typical_p is not None else 1.0,
+            mirostat=self.mirostat or 0,
+            mirostat_tau=self.mirostat_tau if self.mirostat_tau is not None else defaults.mirostat_tau,
+            mirostat_eta=self.mirostat_eta if self.mirostat_eta is not None else defaults.mirostat_eta,
             seed=self.seed if self.seed is not None and self.seed >= 0 else None,
             stop=stop,
             grammar=grammar,
@@ -91,9 +99,25 @@ class _OllamaRequest(_Body):
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
     format: Literal["", "json"] | dict[str, Any] | None = None  # "json": any object; an object: its JSON schema
-    keep_alive: float | str | None = None  # the model stays loaded for the server's life
+    keep_alive: float | str | None = None  # seconds, or a Go duration; the model stays loaded for the server's life
     think: bool | Literal["low", "medium", "high"] | None = None
     session_id: str | None = None
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, str) and not _DURATION.fullmatch(value.strip()):
+            raise ValueError(f"{value[:64]!r} is not a duration: a number of seconds, or e.g. \"5m\", \"1h30m\", \"0\"")
+        return value
+
+    @property
+    def unloads(self) -> bool:
+        """keep_alive 0: Ollama unloads the model when the request ends (only that, with nothing to generate)."""
+        if self.keep_alive is None:
+            return False
+        if not isinstance(self.keep_alive, str):
+            return self.keep_alive == 0
+        return sum(float(n) * _SECONDS[unit] for n, unit in re.findall(_DURATION_PART, self.keep_alive)) == 0
 
     @model_validator(mode="after")
     def _no_thinking(self):

@@ -16,7 +16,7 @@ from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest, NotFound, quoted
-from . import generation, tools
+from . import generation, model_names, tools
 from .choice_stream import OPENAI_REASONS, ChoiceStream, usage
 from .tool_stream import ToolCallStream
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
@@ -283,9 +283,9 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     return _response(http, "chat", [f for _, f in results], choices, body.n)
 
 
-def _model(http: HttpRequest) -> dict:
+def _model(http: HttpRequest, name: str) -> dict:
     return {
-        "id": http.app.state.config.model_name,
+        "id": name,
         "object": "model",
         "created": http.app.state.started,
         "owned_by": "kvserve",
@@ -295,12 +295,15 @@ def _model(http: HttpRequest) -> dict:
 
 @router.get("/v1/models")
 async def models(http: HttpRequest) -> dict:
-    return {"object": "list", "data": [_model(http)]}
+    """The primary name first, then each alias, one entry each (as vLLM lists its served names)."""
+    return {"object": "list", "data": [_model(http, name) for name in model_names.served_names(http.app.state.config)]}
 
 
 @router.get("/v1/models/{model_id:path}")  # a served name may hold "/" (org/model)
 async def model(model_id: str, http: HttpRequest) -> dict:
-    served = http.app.state.config.model_name
-    if model_id != served:
-        raise NotFound(f"the model {quoted(model_id)} does not exist; this server serves {served!r}", param="model")
-    return _model(http)
+    config = http.app.state.config
+    name = model_names.resolve(config, model_id)
+    if name is None:
+        raise NotFound(f"the model {quoted(model_id)} does not exist; this server serves {config.model_name!r}",
+                       param="model")
+    return _model(http, name)

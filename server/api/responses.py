@@ -12,6 +12,7 @@ As OpenAI does, a previous response's `instructions` are not carried over.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -24,44 +25,19 @@ from pydantic import ValidationError
 
 from ..engine.sequence import Finished, Sequence, TokenEvent
 from ..engine.session import Session
-from ..errors import InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound, quoted
 from . import generation, openai, tools
-from .responses_schemas import MediaPart, NamedFunction, ResponseRequest
+from .responses_errors import ERROR_RESPONSES
+from .responses_items import check_call_outputs, input_items
+from .responses_records import is_stored_response
+from .responses_schemas import NamedFunction, ResponseRequest
 from .responses_stream import ResponseEvents, call_item, message_item, new_id
-from .schemas import ERROR_RESPONSES, ChatCompletionRequest
+from .schemas import ChatCompletionRequest
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"], responses=ERROR_RESPONSES)
+log = logging.getLogger("kvserve.responses")
 
 INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout", "cancelled": "cancelled", "unmet": "constraint_unmet"}
-
-
-def input_items(value: str | list) -> list[dict]:
-    """The request's input as stored items, the shapes OpenAI lists them in."""
-    if isinstance(value, str):
-        return [{"id": new_id("msg_"), "type": "message", "status": "completed", "role": "user",
-                 "content": [{"type": "input_text", "text": value}]}]
-    out = []
-    for item in value:
-        if item.type == "message":
-            kind = "output_text" if item.role == "assistant" else "input_text"
-            content = [{"type": kind, "text": item.content}] if isinstance(item.content, str) else item.content
-            parts = [p if isinstance(p, dict) else _part(p) for p in content]
-            out.append({"id": item.id or new_id("msg_"), "type": "message", "status": "completed", "role": item.role,
-                        "content": parts})
-        elif item.type == "function_call":
-            out.append(call_item(item.call_id, item.name, item.arguments, item_id=item.id))
-        else:
-            output = item.output if isinstance(item.output, str) else "".join(_part(p)["text"] for p in item.output)
-            out.append({"id": item.id or new_id("fco_"), "type": "function_call_output", "status": "completed",
-                        "call_id": item.call_id, "output": output})
-    return out
-
-
-def _part(part) -> dict:
-    if isinstance(part, MediaPart):
-        what = {"input_image": "image", "input_file": "file", "input_audio": "audio"}[part.type]
-        raise InvalidRequest(f"{what} inputs are not supported", param="input")
-    return {"type": part.type, "text": part.text, **({"annotations": []} if part.type == "output_text" else {})}
 
 
 def chat_request(body: ResponseRequest, conversation: list[dict]) -> ChatCompletionRequest:
@@ -123,6 +99,7 @@ class _Run:
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else body.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": {"code": "server_error", "message": error} if error is not None else None,
             "incomplete_details": {"reason": INCOMPLETE.get(f.reason, f.reason)} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -133,6 +110,7 @@ class _Run:
             "text": {"format": fmt}, "tool_choice": choice or "auto",
             "tools": [t.model_dump() for t in body.tools or []],
             "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
+            "top_logprobs": body.top_logprobs,
             "usage": _usage(f) if f is not None and f.error is None else None,
             "user": body.user, "metadata": body.metadata or {},
         }
@@ -170,7 +148,15 @@ def _stored(http: HttpRequest, response_id: str, param: str = "response_id") -> 
             session = engine.session(response_id, generation.owner_of(http))
     except NotFound:
         session = None
-    if session is None or not session.meta or "response" not in session.meta:
+    meta = session.meta if session is not None else None
+    if meta and not is_stored_response(meta, session.id):  # a record edited or damaged on the disk tier
+        log.warning("stored response %s: its record does not hold a stored response; read as missing",
+                    quoted(response_id))
+        with engine.lock:
+            if session.meta is meta:  # warned once: from now on it is a session like any other
+                session.meta = None
+        meta = None
+    if not meta:
         raise NotFound(f"no stored response {response_id!r}: it never existed, was deleted, expired, was not "
                        "stored (store=false), or belongs to another key", param=param)
     return session
@@ -183,7 +169,8 @@ def _start(run: _Run, previous: Session | None) -> Sequence:
     prompt = openai.chat_prompt(engine.tokenizer, chat)
     forced = tools.forced_tools(chat)
     grammar = openai.output_grammar(engine.grammars, chat, forced)
-    params = openai.openai_params(chat, body.max_output_tokens, None, engine.model.config.vocab_size, grammar,
+    vocab = engine.model.config.vocab_size
+    params = openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar,
                                   forced is not None)
     run.names = tools.offered_names(chat)
     run.forced = forced is not None
@@ -210,30 +197,41 @@ async def create_response(body: ResponseRequest, http: HttpRequest):
         previous = _stored(http, body.previous_response_id, "previous_response_id")
         history = previous.meta["conversation"]
     run = _Run(http, body, history, input_items(body.input))
+    check_call_outputs(history, run.turn)
     req = _start(run, previous)
     if body.stream:
         return StreamingResponse(_stream(run, req), media_type="text/event-stream", headers=generation.SSE_HEADERS)
     try:
-        _, f = await generation.collect(http, req)
+        tokens, f = await generation.collect(http, req)
     except asyncio.CancelledError:  # the client went away
         run.end(None, [], "cancelled")
         raise
     except Exception as e:
         run.end(None, [], "failed", str(e))
         raise
-    return run.end(f, _output(f, run))
+    return run.end(f, _output(f, run, tokens))
 
 
-def _output(f: Finished, run: _Run) -> list[dict]:
-    """A whole reply as output items: its text as a message, and its complete calls (one cut short is dropped)."""
+def _logprobs(run: _Run, tokens: list[TokenEvent]) -> list[dict]:
+    """The tokens' logprobs in OpenAI's shape (the chat route's), less an end token's: it shows no text."""
+    tok = generation.engine_of(run.http).tokenizer
+    return openai._chat_logprobs(tok, [t for t in tokens if not t.ends_text])["content"]
+
+
+def _output(f: Finished, run: _Run, tokens: list[TokenEvent]) -> list[dict]:
+    """A whole reply as output items: its text as a message, and its complete calls (one cut short is dropped).
+    The text carries its logprobs if asked, where its tokens are all text (no tools offered: ResponseEvents)."""
     status = "incomplete" if f.reason in INCOMPLETE else "completed"
     content, calls = tools.parse_tool_calls(f.output, run.names, run.forced)
-    items = [message_item(content or "", status)] if content is not None or not (calls or run.forced) else []
+    scores = _logprobs(run, tokens) if run.body.logprobs is not None and not run.names else None
+    kept = content is not None or not (calls or run.forced)
+    items = [message_item(content or "", status, logprobs=scores)] if kept else []
     return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
-    events = ResponseEvents(run.names, run.forced)
+    events = ResponseEvents(run.names, run.forced, run.body.logprobs is not None)
+    scored = events.scored
     start = run.response("in_progress", [])
     yield events.event("response.created", response=start)
     yield events.event("response.in_progress", response=start)
@@ -241,7 +239,7 @@ async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
     try:
         async for event in generation.events(run.http, req, watch_disconnect=False):
             if isinstance(event, TokenEvent):
-                for chunk in events.feed(event.text):
+                for chunk in events.feed(event.text, _logprobs(run, [event]) if scored else []):
                     yield chunk
                 continue
             if event.error is not None:
@@ -249,7 +247,9 @@ async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
                 failed = run.end(event, events.output(), "failed", str(event.error))
                 yield events.event("response.failed", response=failed)
                 return
-            for chunk in events.feed((event.last.text if event.last is not None else "") + event.text):
+            last = [event.last] if event.last is not None else []
+            tail = "".join(t.text for t in last) + event.text
+            for chunk in events.feed(tail, _logprobs(run, last) if scored else []):
                 yield chunk
             status = "incomplete" if event.reason in INCOMPLETE else "completed"
             for chunk in events.finish(status):

@@ -95,6 +95,14 @@ class TextConfig(_Body):
     format: TextFormat | None = None
 
 
+# Every value OpenAI documents for `include`: each only adds fields to items of its kind, so each is taken,
+# and adds output only where kvserve makes such items (the output text's logprobs); the OpenAI Agents SDK
+# always sends the field.
+Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+
+
 class ResponseRequest(_Body):
     """`POST /v1/responses` body."""
 
@@ -114,6 +122,13 @@ class ResponseRequest(_Body):
     truncation: Literal["disabled"] | None = None  # "auto" would drop history to fit: not implemented
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: Annotated[list[Includable], Field(max_length=64)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # with include's logprobs: the runners-up a token
+
+    @property
+    def logprobs(self) -> int | None:
+        """The runners-up to score for each output token, or None where the output's logprobs are not asked for."""
+        return (self.top_logprobs or 0) if "message.output_text.logprobs" in (self.include or ()) else None
 
     @field_validator("input", mode="before")
     @classmethod

@@ -18,9 +18,13 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(24)
 
 
-def message_item(text: str, status: str, item_id: str | None = None) -> dict:
+def message_item(text: str, status: str, item_id: str | None = None, logprobs: list[dict] | None = None) -> dict:
+    """A reply's text as a message item; `logprobs` (include's message.output_text.logprobs) those of its tokens."""
+    part = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
     return {"id": item_id or new_id("msg_"), "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+            "content": [part]}
 
 
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None) -> dict:
@@ -31,8 +35,13 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 class ResponseEvents:
     """Feeds on the reply's text; gives the SSE events to send, and keeps the output items they describe."""
 
-    def __init__(self, names: set[str], forced: bool) -> None:
+    def __init__(self, names: set[str], forced: bool, scored: bool = False) -> None:
         self.calls = ToolCallStream(names, forced) if names else None
+        # the text's logprobs, where its tokens are all text: with tools offered, a message is the reply less
+        # the calls' markup, whose tokens cannot be told apart from its own, so it carries none
+        self.scored = scored and self.calls is None
+        self.logprobs: list[dict] = []  # the open message's, so far
+        self.unsent: list[dict] = []  # those of tokens whose text has not been sent yet (held back)
         self.sequence = 0
         self.items: list[dict] = []  # every item announced, in order; the last is open until closed
         self.open = False
@@ -44,8 +53,10 @@ class ResponseEvents:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def feed(self, text: str) -> list[str]:
+    def feed(self, text: str, logprobs: list[dict] = ()) -> list[str]:
+        """The events for the reply's next text; `logprobs`: those of the tokens it came from, when scored."""
         if self.calls is None:
+            self.unsent += logprobs if self.scored else []
             return self._text(text)
         content, deltas = self.calls.feed(text)
         # within one feed, text can only follow calls (ToolCallStream's content mode is final)
@@ -72,8 +83,11 @@ class ResponseEvents:
         closed = self.items[: len(self.items) - self.open]
         kept = [i for i in closed if i["type"] == "message" or i["status"] == "completed"]
         if self.open and self.items[-1]["type"] == "message":
-            kept.append(message_item(self.text, "incomplete", self.items[-1]["id"]))
+            kept.append(message_item(self.text, "incomplete", self.items[-1]["id"], self._scores()))
         return kept
+
+    def _scores(self) -> list[dict] | None:
+        return self.logprobs + self.unsent if self.scored else None
 
     def _call_index(self) -> int:
         return sum(i["type"] == "function_call" for i in self.items) - 1
@@ -90,8 +104,10 @@ class ResponseEvents:
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=len(self.items) - 1,
                                   content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
         self.text += text
+        sent, self.unsent = self.unsent, []
+        self.logprobs += sent
         out.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
-                              output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[]))
+                              output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=sent))
         return out
 
     def _calls(self, deltas: list[dict]) -> list[str]:
@@ -110,17 +126,17 @@ class ResponseEvents:
 
     def _announce(self, item: dict) -> list[str]:
         self.items.append(item)
-        self.open, self.text, self.arguments = True, "", ""
+        self.open, self.text, self.arguments, self.logprobs = True, "", "", []
         return [self.event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item))]
 
     def _close(self, status: str) -> list[str]:
         index, item = len(self.items) - 1, self.items[-1]
         out: list[str] = []
         if item["type"] == "message":
-            done = message_item(self.text, status, item["id"])
+            done = message_item(self.text, status, item["id"], self._scores())
             part = done["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=self.text, logprobs=[]))
+                                  content_index=0, text=self.text, logprobs=part.get("logprobs", [])))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part))
         else:

@@ -26,6 +26,9 @@ class Chunk:
     # Speculation: the last `drafts` tokens are proposed, not yet the session's; a sampling chunk then
     # samples every row from its last history token on (1 + drafts rows), and its results say which stand.
     drafts: int = 0
+    # An embedding request's chunk: its last `pooled` rows' final normed hidden states come back from the
+    # runner, for the request to pool (every row for mean pooling, the prompt's last for last-token).
+    pooled: int = 0
 
     @property
     def draft_tokens(self) -> tuple[int, ...]:

@@ -28,6 +28,11 @@ from .grammar_ends import can_end
 # newlines and indentation until max_tokens.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 RECHECK = 16  # tokens between looks for the shortest ending while the end is still far
+# llguidance's parser refuses a row of more than 2,000 Earley items by default, and a choice among more
+# alternatives than that (an enum of names as a grammar) is one such row once its first byte is read: the
+# reply failed there. A wider row is allowed, while step_max_items still bounds what any one mask may cost.
+# Errors stay short: a verbose one quotes the whole grammar back to the client.
+LIMITS = llguidance.LLParserLimits(max_items_in_row=20_000, verbose_errors=False)
 
 
 class Grammars:
@@ -109,16 +114,19 @@ class Grammars:
     def check(self, grammar: str, param: str) -> str:
         """Raise a 400 naming the problem if `grammar` does not compile, or if no output can ever satisfy it:
         its language is empty, or it forces more tokens than the context holds. Returns it."""
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer, limits=LIMITS)
         if error and not error.startswith("WARNING"):
             raise InvalidRequest(f"invalid {param}: {error.strip()}", param=param)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LIMITS)
         matcher.compute_logit_bias()  # an empty language shows once the first mask is asked for
-        if matcher.is_error():
+        if matcher.is_error() and _reason(matcher) == "NoExtensionBias":  # no token at all may come first
             raise InvalidRequest(f"invalid {param}: no output can match it (its language is empty)", param=param)
-        if _forces_past(matcher, self.max_context):
+        if not matcher.is_error() and _forces_past(matcher, self.max_context):
             raise InvalidRequest(f"invalid {param}: no output can complete it: it forces more than the context of "
                                  f"{self.max_context} tokens before it could end (a rule that must always recur?)",
+                                 param=param)
+        if matcher.is_error():  # one of the parser's limits, met where a reply would meet it too
+            raise InvalidRequest(f"invalid {param}: the grammar engine cannot follow it: {_reason(matcher)}",
                                  param=param)
         return grammar
 
@@ -127,7 +135,7 @@ class Grammars:
         takes the engine's lock, which the model thread would otherwise wait on."""
         if grammar is None:
             return None
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LIMITS)
         return Constraint(matcher, Ending(self.vocabulary, self._tokenizer.vocab_size))
 
 
@@ -158,17 +166,25 @@ def _embedded(schema: Any, defs: dict, prefix: str, at: str) -> Any:
 
 def _forces_past(matcher: llguidance.LLMatcher, limit: int) -> bool:
     """Whether the grammar forces more than `limit` tokens from its start, with no choice that could end it
-    (say `start: "a" start`), or a forced run longer than its parser can follow. llguidance gives a forced
-    run in bounded pieces: take them until one ends it or the limit is passed."""
+    (say `start: "a" start`). llguidance gives a forced run in bounded pieces: take them until one ends it
+    or the limit is passed. A piece the parser cannot follow (one of its limits, never the grammar's end)
+    stops the count with no such claim; the matcher is then in error, for the caller to report."""
     forced = 0
     while not matcher.is_accepting():
         tokens = matcher.compute_ff_tokens()
         if not tokens:
             return False  # a choice comes next: whether it can end is not known here
         forced += len(tokens)
-        if forced > limit or not matcher.consume_tokens(tokens):
+        if forced > limit:
             return True
+        if not matcher.consume_tokens(tokens):
+            return False
     return False
+
+
+def _reason(matcher: llguidance.LLMatcher) -> str:
+    """The matcher's error, without the marker llguidance puts where the verbose part would be."""
+    return matcher.get_error().replace("<non-verbose/>", "").strip()
 
 
 class Constraint:

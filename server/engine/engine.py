@@ -128,7 +128,8 @@ class Engine(SessionOps):
         return req
 
     def _submit(self, session: Session, prompt: list[int], params: SamplingParams, resend: bool,
-                constraint: Constraint | None, scheduling: Scheduling, fetch: bool = True) -> Sequence:
+                constraint: Constraint | None, scheduling: Scheduling, fetch: bool = True,
+                pooling: str | None = None) -> Sequence:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         self.sessions.check_idle(session)
@@ -142,17 +143,19 @@ class Engine(SessionOps):
         timeout = min((t for t in (scheduling.timeout, self.config.request_timeout) if t is not None), default=None)
         spec = self.config.speculation
         drafts = scheduling.speculative if scheduling.speculative is not None else spec.mode != "off"
+        # mirostat's mu moves after every token, so one step cannot sample a row past a draft with the right mu
+        drafts = drafts and not params.mirostat
         if scheduling.cache_salt is not None and scheduling.cache_salt != session.salt:
             self.pool.drop(session)  # its KV was read and published under another namespace: recomputed in this one
             session.salt = scheduling.cache_salt
         req = Sequence(session, params, prompt_tokens=turn.prompt_tokens, history_before=list(session.tokens),
                        kept=turn.kept, sink=self._post, constraint=constraint, priority=scheduling.priority, timeout=timeout,
-                       drafter=Drafter(spec) if drafts else None)
+                       drafter=Drafter(spec) if drafts else None, pooling=pooling)
         session.take(turn, generates=params.max_tokens > 0)
         req.prompt_ids = list(session.tokens)
-        if req.scores_prompt:  # it runs its whole prompt itself: the kept history's KV holds no logits
+        if req.runs_prompt:  # it runs its whole prompt itself: the kept history's KV holds no logits or hidden states
             session.truncate_cache(req.prompt_start)
-        req.fetch = self.pool.prefetch(session) if fetch and not req.scores_prompt else None
+        req.fetch = self.pool.prefetch(session) if fetch and not req.runs_prompt else None
         self.scheduler.add(req)
         self._update_gauges()
         return req
@@ -179,7 +182,7 @@ class Engine(SessionOps):
         return params
 
     def submit_temporary(self, prompt: list[int], params: list[SamplingParams], owner: str | None,
-                         scheduling: Scheduling = Scheduling()) -> list[Sequence]:
+                         scheduling: Scheduling = Scheduling(), pooling: str | None = None) -> list[Sequence]:
         """A request on no session: each of its choices runs on a temporary session of its own, sized to
         the context and removed when done. With n > 1 choices the first prefills the prompt and the others
         fork its KV once that is cached (kept out of the queue's way until then). One pass under the lock,
@@ -195,7 +198,7 @@ class Engine(SessionOps):
             try:
                 for session, p, constraint in zip(sessions, params, constraints):
                     # only the first choice reads the prompt back from disk: the others fork its KV
-                    req = self._submit(session, prompt, p, True, constraint, scheduling, fetch=not reqs)
+                    req = self._submit(session, prompt, p, True, constraint, scheduling, fetch=not reqs, pooling=pooling)
                     req.parent = reqs[0] if reqs else None
                     reqs.append(req)
             except Exception:  # the same prompt and limits pass for every choice or for none
@@ -205,6 +208,12 @@ class Engine(SessionOps):
                 raise
         self._wake.set()
         return reqs
+
+    def embed(self, prompt: list[int], owner: str | None, scheduling: Scheduling = Scheduling()) -> Sequence:
+        """An embedding: the prompt prefilled whole on a temporary session of the caller's tenant (its quotas and
+        429s, its token counter), its chunks in the steps beside everyone's decodes. It generates nothing, and
+        finishes with its final normed hidden states pooled (--pooling) and L2-normalized."""
+        return self.submit_temporary(prompt, [SamplingParams(max_tokens=0)], owner, scheduling, self.config.pooling)[0]
 
     def cancel(self, req: Sequence) -> None:
         if req.finished is None:
@@ -242,7 +251,7 @@ class Engine(SessionOps):
             self._wake.wait(0.005 if waiting else None)
             return
         try:
-            sampled, scores = self.runner.run(batch)
+            sampled, scores, hidden = self.runner.run(batch)
         except Exception as e:  # one bad step fails its requests, never the server
             log.exception("step failed")
             with self.lock:
@@ -252,7 +261,7 @@ class Engine(SessionOps):
         with self.lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
             before = self.scheduler.counts.emitted
-            self.scheduler.postprocess(batch, sampled, scores)
+            self.scheduler.postprocess(batch, sampled, scores, hidden)
             self.recent.record(len(batch.chunks), batch.n_tokens, self.scheduler.counts.emitted - before)
             self._observe_finished()
 

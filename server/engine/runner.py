@@ -36,32 +36,34 @@ class ModelRunner:
         self.registry.install(WARM_UP_KEY, SessionCache(dataclasses.replace(layout, capacity=n)))
         try:
             with self.registry.active([(WARM_UP_KEY, n)]), torch.inference_mode():  # commits after the forward
-                self.model.forward(
-                    torch.zeros(1, n, dtype=torch.long), torch.arange(n).unsqueeze(1), torch.arange(n)  # [1, n], [n, 1], [n]
+                self.model.forward(  # [1, n], [n, 1], [n]; and every row's hidden state, so that path is warm too
+                    torch.zeros(1, n, dtype=torch.long), torch.arange(n).unsqueeze(1), torch.arange(n), torch.arange(n)
                 )
         finally:
             self.registry.uninstall(WARM_UP_KEY)
 
-    def run(self, batch: StepBatch) -> tuple[list[Sampled], list[list[Sampled]]]:
+    def run(self, batch: StepBatch) -> tuple[list[Sampled], list[list[Sampled]], list[torch.Tensor]]:
         """set_active (validate, reserve) -> forward -> commit, or abort if it raised; sample the rows of
-        the chunks that ask for it -> (one Sampled per sampled row, the scored rows of each scored chunk),
-        each in chunk order."""
+        the chunks that ask for it -> (one Sampled per sampled row, the scored rows of each scored chunk,
+        the final normed hidden states [pooled, dim] of each pooling chunk), each in chunk order."""
         masks = [None if r.constraint is None else self._masks.submit(r.constraint.allowed_after, r.ahead) if r.ahead
                  else self._masks.submit(r.constraint.allowed, r.left) for r in batch.rows]
         tokens = [t for c in batch.chunks for t in c.tokens]
         positions = [c.start + i for c in batch.chunks for i in range(len(c.tokens))]
-        ends, scored, at = [], [], 0
+        ends, scored, pooled, at = [], [], [], 0
         for c in batch.chunks:
             scored += range(at, at + len(c.scored))  # a scored chunk's rows each predict a prompt token
             at += len(c.tokens)
             ends += range(at - c.sampled_rows, at)  # the last row predicts the token after it; so do drafts' rows
+            pooled += range(at - c.pooled, at)  # an embedding's rows: their hidden states, not logits
         step = self.registry.set_active([(c.cache, len(c.tokens)) for c in batch.chunks])
         try:
             with torch.inference_mode():
-                logits = self.model.forward(
+                logits, hidden = self.model.forward(
                     torch.tensor([tokens], dtype=torch.long),  # [1, n]
                     torch.tensor(positions, dtype=torch.long).unsqueeze(1),  # [n, 1]
                     torch.tensor(ends + scored or [0], dtype=torch.long),  # [m]: the sampled rows, then the scored
+                    torch.tensor(pooled, dtype=torch.long),  # [h]: none in a step without embeddings
                 )
             step.commit()
         except BaseException:
@@ -70,7 +72,7 @@ class ModelRunner:
         finally:
             self.registry.set_active(None)
         sampled = sample(logits[: len(ends)], list(batch.rows), [m.result() if m is not None else None for m in masks]) if ends else []
-        return sampled, self._scores(batch, logits[len(ends) :]) if scored else []
+        return sampled, self._scores(batch, logits[len(ends) :]) if scored else [], self._pooled(batch, hidden)
 
     @staticmethod
     def _scores(batch: StepBatch, rows: torch.Tensor) -> list[list[Sampled]]:
@@ -81,3 +83,9 @@ class ModelRunner:
                 out.append(score(rows[at : at + len(c.scored)], c.scored, c.scored_top))
                 at += len(c.scored)
         return out
+
+    @staticmethod
+    def _pooled(batch: StepBatch, hidden: torch.Tensor) -> list[torch.Tensor]:
+        """The hidden rows [h, dim], in chunk order -> each pooling chunk's own [pooled, dim]."""
+        sizes = [c.pooled for c in batch.chunks if c.pooled]
+        return list(hidden.split(sizes)) if sizes else []

@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .mirostat import MirostatState, mirostat_weights
+from .typical import typical_weights
+
 if TYPE_CHECKING:
     from .constraints import Constraint
 
@@ -39,6 +42,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # added to those tokens' logits; -100 bans a token
     grammar: str | None = None  # an llguidance grammar the output must match (server/engine/constraints.py)
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus the top k (echo)
+    # What the penalties count. None: vLLM's rule, repetition over the prompt and the reply, presence and
+    # frequency over the reply. n > 0: llama.cpp's (Ollama's repeat_last_n), all three over the last n tokens
+    # of the context, prompt and reply together; -1: the whole context; 0: no penalties.
+    penalty_window: int | None = None
+    typical_p: float = 1.0  # locally typical sampling (typical.py); 1: off
+    mirostat: int = 0  # 1 or 2: llama.cpp's mirostat (mirostat.py), in place of the filters; 0: off
+    mirostat_tau: float = 5.0  # the target surprisal, in bits
+    mirostat_eta: float = 0.1  # how fast mu follows it
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +62,14 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self.penalty_window != 0 and (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+
+    @property
+    def drawn_alone(self) -> bool:
+        """Whether each of its rows is drawn by itself: mirostat and typical_p keep a set of their own per row,
+        found in their own way, so they are not batched with other rows."""
+        return self.mirostat != 0 or self.typical_p < 1.0
 
 
 @dataclass
@@ -64,6 +82,7 @@ class SampleRow:
     output_ids: list[int] = field(default_factory=list)
     constraint: Constraint | None = None  # the grammar the row's output must match
     ahead: tuple[int, ...] = ()  # drafts this row follows, not yet in the constraint's state (drafts.py)
+    mirostat: MirostatState | None = None  # its request's mu, moved by the token this row samples
 
     @property
     def left(self) -> int:
@@ -80,11 +99,25 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def _last(prompt: list[int], output: list[int], n: int) -> list[int]:
+    """The last n tokens of the context, prompt then output (n -1: all of it), without copying the prompt whole."""
+    if n < 0 or n >= len(prompt) + len(output):
+        return [*prompt, *output]
+    if n <= len(output):
+        return output[len(output) - n :]
+    return [*prompt[len(prompt) - (n - len(output)) :], *output]
+
+
 def _penalize(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     m, vocab = logits.shape
     counts = torch.zeros(m, vocab)
     seen = torch.zeros(m, vocab, dtype=torch.bool)
     for i, r in enumerate(rows):
+        if r.params.penalty_window is not None:  # llama.cpp's: every penalty counts the window's tokens
+            window = _last(r.prompt_ids, r.output_ids, r.params.penalty_window) if r.params.penalized else []
+            if window:
+                counts[i].index_add_(0, torch.tensor(window, dtype=torch.long).clamp_(0, vocab - 1), torch.ones(len(window)))
+            continue
         if r.output_ids:
             out = torch.tensor(r.output_ids, dtype=torch.long).clamp_(0, vocab - 1)
             counts[i].index_add_(0, out, torch.ones(len(out)))
@@ -181,6 +214,20 @@ def _draw(logits: torch.Tensor, rows: list[SampleRow], u: torch.Tensor) -> torch
     return (pick if order is None else order.gather(1, pick)).squeeze(1)
 
 
+def _draw_alone(logits: torch.Tensor, r: SampleRow, u: torch.Tensor) -> int:
+    """logits [V] of a mirostat or typical_p row, u its uniform draw -> its token; a mirostat row's mu moves."""
+    scaled = logits / r.params.temperature
+    if r.params.mirostat:
+        weights = mirostat_weights(scaled, r.params, r.mirostat.mu)
+    else:
+        weights = typical_weights(scaled, r.params)
+    cdf = weights.cumsum(0)
+    token = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1)).clamp_(max=len(cdf) - 1))
+    if r.params.mirostat:
+        r.mirostat.observe(r.params, float(weights[token] / cdf[-1]))
+    return token
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray | None] | None = None) -> list[Sampled]:
     """logits [m, V] float32, one row per request that samples -> one token each. allowed[i], if given, is
     row i's grammar mask: bool [V], the tokens its constraint allows next."""
@@ -195,14 +242,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], allowed: list[np.ndarray
     tokens = torch.from_numpy(logits.detach().numpy().argmax(-1))  # [m]
     if not all(r.params.greedy for r in rows):
         u = torch.cat([torch.rand(1, generator=r.generator) for r in rows])  # [m], one draw per row
-        # plain rows and filtering rows (top-k/p, min-p) are drawn apart, so that a row's token never depends
-        # on what the other rows of its step ask for
+        # plain rows and filtering rows (top-k/p, min-p) are drawn apart, and mirostat and typical_p rows each
+        # alone, so that a row's token never depends on what the other rows of its step ask for
         drawn = [i for i, r in enumerate(rows) if not r.params.greedy]
         for filters in (False, True):
-            group = [i for i in drawn if rows[i].params.filters is filters]
+            group = [i for i in drawn if rows[i].params.filters is filters and not rows[i].params.drawn_alone]
             if group:
                 which = torch.tensor(group)
                 tokens[which] = _draw(logits[which], [rows[i] for i in group], u[which])
+        for i in drawn:
+            if rows[i].params.drawn_alone:
+                tokens[i] = _draw_alone(logits[i], rows[i], u[i])
     out = tokens.tolist()
     for i, r in enumerate(rows):
         if r.constraint is not None and not r.ahead:  # near its end, a reply takes only tokens it can close after (no draft comes near it)

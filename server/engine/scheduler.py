@@ -8,7 +8,9 @@ whose tenant has been served the fewest (weighted) tokens goes first, by priorit
 within a tenant (server/engine/tenants.py), up to each tenant's share of the running slots. An
 admitted request's session starts from the longest cached prefix of its history (or from its parent's
 KV, for the choices of one `n` > 1 request), so only the rest is prefilled; one that scores its prompt
-(echo with logprobs) prefills it whole, since only a row run gives logits. KV blocks come from the
+(echo with logprobs) or embeds it prefills it whole, since only a row run gives logits or hidden states. An
+embedding request samples nothing: its chunks return their rows' final hidden states, which it pools
+until its prompt is done. KV blocks come from the
 pool's free and cached blocks, then from evicting idle sessions (least recently used first), then
 the KV of sessions whose request waits (the last in the queue first) and, failing that, from
 preempting the youngest running request; dropped KV is recomputed when it is next needed.
@@ -177,7 +179,8 @@ class Scheduler:
         s = req.session
         pending = s.pending
         return Chunk(req.id, s.id, s.cache, (*pending[:n], *drafts), s.cached_length, sample=n == len(pending) and req.wants_tokens,
-                     scored=req.prompt_targets(s.cached_length, n), scored_top=req.params.prompt_logprobs or 0, drafts=len(drafts))
+                     scored=req.prompt_targets(s.cached_length, n), scored_top=req.params.prompt_logprobs or 0, drafts=len(drafts),
+                     pooled=req.pooled_rows(s.cached_length, n))
 
     def evict(self, need: int, planned: int = 0, keep: Session | None = None) -> bool:
         """Drop the KV of sessions no step runs until `need` more blocks are free -> whether they are: idle
@@ -253,20 +256,25 @@ class Scheduler:
             self.pool.drop(session)
             self.sessions.remove(session)
 
-    def postprocess(self, batch: StepBatch, sampled: list[Sampled], scores: list[list[Sampled]] = ()) -> None:
-        """Apply one step's sampled tokens and prompt logprobs (one per sampling, or scored, chunk, in order)."""
+    def postprocess(self, batch: StepBatch, sampled: list[Sampled], scores: list[list[Sampled]] = (),
+                    hidden: list = ()) -> None:
+        """Apply one step's sampled tokens, prompt logprobs and embeddings' hidden rows (one per sampling,
+        scored or pooling chunk, in order)."""
         self._in_flight = set()
-        it, scored = iter(sampled), iter(scores)
+        it, scored, pooled = iter(sampled), iter(scores), iter(hidden)
         for chunk in batch.chunks:
             req = self.by_id.get(chunk.request_id)
             tokens = [next(it) for _ in range(chunk.sampled_rows)]
             rows = next(scored) if chunk.scored else None
+            states = next(pooled) if chunk.pooled else None
             if req is None:
                 continue
             session = req.session
             assert session.cached_length == chunk.start + len(chunk.tokens)
             if rows is not None:
                 req.scored(chunk.start, rows)  # before its first event, which tells the API they are there
+            if states is not None:
+                req.pool(chunk.start + len(chunk.tokens), states)
             if chunk.drafts:
                 tokens = req.check_drafts(chunk.draft_tokens, tokens)
                 self.counts.drafted(chunk.drafts, len(tokens) - 1)
@@ -277,7 +285,7 @@ class Scheduler:
             elif tokens:
                 self.counts.emitted += req.accept_all(tokens, self.eos_ids)
             elif not req.wants_tokens and not session.pending:
-                req.finish("length")  # a prefill-only request (max_tokens 0) is done
+                req.finish("length")  # a prefill-only request (max_tokens 0, an embedding) is done
             session.truncate_cache(len(session.tokens))  # kept drafts past where the request ended
             session.cache.publish(session.tokens, durable=session.persistent)  # full blocks become reusable prefixes
             if req.finished is not None:

@@ -14,6 +14,7 @@ import torch
 
 from .constraints import Constraint
 from .drafts import Drafter, accepted_prefix
+from .mirostat import MirostatState
 from .sampling import Sampled, SampleRow, SamplingParams
 from .session import Session
 
@@ -55,6 +56,7 @@ class Finished:
     last: TokenEvent | None = None  # the token that ended the request, if one did: it comes with the end
     text: str = ""  # rendered: text released at the end (the held-back tail, if no stop string matched)
     output: str = ""  # rendered: the whole reply's text
+    embedding: torch.Tensor | None = None  # an embedding request's pooled vector, L2-normalized (float32 [dim])
 
 
 @dataclass(eq=False)
@@ -90,10 +92,17 @@ class Sequence:
     # Its prompt's logprobs (params.prompt_logprobs), by the position of the token scored, as its prefill
     # runs; complete before its first event, which is when the API reads them
     scores: dict[int, Sampled] = field(default_factory=dict)
+    # An embedding request ("mean" or "last"; it generates nothing): its prompt's final normed hidden states
+    # pooled so far, in float64 (their sum, or the last row), through position `pooled_to`
+    pooling: str | None = None
+    pool_state: torch.Tensor | None = None
+    pooled_to: int = 0
 
     def __post_init__(self) -> None:
         seed = self.params.seed if self.params.seed is not None else secrets.randbits(62)
         self.generator = torch.Generator().manual_seed(seed)
+        # mirostat's mu, carried from step to step as the generator is (each choice of n has its own)
+        self.mirostat = MirostatState.start(self.params) if self.params.mirostat else None
         self._drawn_from: torch.Tensor | None = None  # its generator's state before a drafted step's draws
 
     def admitted(self, cached_length: int) -> None:
@@ -117,9 +126,16 @@ class Sequence:
         return self.params.prompt_logprobs is not None and self.parent is None and len(self.scores) < self.prompt_tokens - 1
 
     @property
+    def runs_prompt(self) -> bool:
+        """Whether it still runs its whole prompt itself: KV it did not compute (a cached prefix, the session's
+        kept history) comes with neither the logits its prompt's logprobs need nor the hidden states an
+        embedding pools."""
+        return self.scores_prompt or (self.pooling is not None and self.pooled_to < len(self.prompt_ids))
+
+    @property
     def reuse_limit(self) -> int | None:
         """How much of its history may start from KV it did not compute; None: all of it."""
-        return self.prompt_start if self.scores_prompt else None
+        return self.prompt_start if self.runs_prompt else None
 
     def prompt_targets(self, start: int, n: int) -> tuple[int, ...]:
         """The tokens of its history that rows start..start+n-1 predict, if it scores its prompt (row j predicts
@@ -141,6 +157,36 @@ class Sequence:
             return None
         return [None, *(owner.scores[p] for p in range(owner.prompt_start + 1, len(owner.prompt_ids)))]
 
+    def pooled_rows(self, start: int, n: int) -> int:
+        """How many of rows start..start+n-1 (the last ones) an embedding pools: every row for mean pooling,
+        the prompt's last row for last-token pooling."""
+        if self.pooling is None:
+            return 0
+        return n if self.pooling == "mean" else int(start + n == len(self.prompt_ids))
+
+    def pool(self, end: int, rows: torch.Tensor) -> None:
+        """Take the final normed hidden states of positions end - len(rows)..end - 1 [k, dim] into its pooled
+        vector. Rows run again after a preemption are the ones already taken, and are skipped."""
+        first = end - len(rows)
+        skip = max(self.pooled_to, self.prompt_start) - first
+        if skip >= len(rows):
+            return
+        assert self.pooling == "last" or skip >= 0, "an embedding's rows are pooled in order, none skipped"
+        rows = rows[max(skip, 0) :].double()
+        if self.pooling == "last" or self.pool_state is None:
+            self.pool_state = rows[-1] if self.pooling == "last" else rows.sum(0)
+        else:
+            self.pool_state = self.pool_state + rows.sum(0)
+        self.pooled_to = end
+
+    @property
+    def embedding(self) -> torch.Tensor | None:
+        """Its pooled vector, L2-normalized (float32 [dim]), once its whole prompt has run; None before. The mean
+        is the sum scaled, so the sum normalizes to the same vector."""
+        if self.pooling is None or self.pool_state is None or self.pooled_to < len(self.prompt_ids):
+            return None
+        return torch.nn.functional.normalize(self.pool_state, dim=0).float()
+
     def draft(self, limit: int) -> tuple[int, ...]:
         """Up to `limit` tokens to check after its pending one in this step: as many as its reply and its
         session still have room for, and its grammar takes."""
@@ -158,7 +204,7 @@ class Sequence:
         if drafts and not self.params.greedy:
             self._drawn_from = self.generator.get_state()
         return [SampleRow(self.params, self.generator, self.prompt_ids, [*self.output_ids, *drafts[:j]] if j else self.output_ids,
-                          self.constraint, drafts[:j]) for j in range(len(drafts) + 1)]
+                          self.constraint, drafts[:j], self.mirostat) for j in range(len(drafts) + 1)]
 
     def check_drafts(self, drafts: tuple[int, ...], sampled: list[Sampled]) -> list[Sampled]:
         """A drafted step's verdict -> the tokens it emits: the drafts that equal what their rows sampled, then
@@ -215,7 +261,8 @@ class Sequence:
     def finish(self, reason: str, error: Exception | None = None, last: TokenEvent | None = None) -> None:
         if self.finished is not None:
             return
-        self.finished = Finished(reason, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last)
+        self.finished = Finished(reason, self.prompt_tokens, len(self.output_ids), self.cached_tokens, error, last,
+                                 embedding=self.embedding if error is None else None)
         self._emit(self.finished)
 
     def end_at(self, kept: int) -> None:

@@ -19,6 +19,7 @@ PROMPTS = [
     "Photosynthesis is the process by which",
     "The best way to learn a new language is",
 ]
+NO_ROWS = torch.zeros(0, dtype=torch.long)  # no hidden rows: the program's embedding output stays empty
 TEXT = (
     "The Industrial Revolution began in Great Britain in the late eighteenth century. New machines, "
     "powered first by water and then by steam, changed how goods were made. Factories grew in towns, "
@@ -38,12 +39,13 @@ def greedy_batch(model, prompts, n_tokens):
         for key, p in zip(keys, ids):
             REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, 256)))
             with REGISTRY.active(key):
-                last.append(int(model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]))[0].argmax()))
+                logits, _ = model.forward(torch.tensor([p]), torch.arange(len(p)).unsqueeze(1), torch.tensor([len(p) - 1]), NO_ROWS)
+                last.append(int(logits[0].argmax()))
         outs = [[t] for t in last]
         step = REGISTRY.set_active([(k, 1) for k in keys])
         for i in range(n_tokens - 1):
             pos = torch.tensor([[len(p) + i] for p in ids])
-            logits = model.forward(torch.tensor([[o[-1] for o in outs]]), pos, torch.arange(len(keys)))
+            logits, _ = model.forward(torch.tensor([[o[-1] for o in outs]]), pos, torch.arange(len(keys)), NO_ROWS)
             step.commit()
             for o, t in zip(outs, logits.argmax(-1).tolist()):
                 o.append(t)
@@ -58,7 +60,7 @@ def perplexity(model, text):
     key = f"ppl-{model.weights}"
     REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, len(ids))))
     with REGISTRY.active(key), torch.inference_mode():
-        logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1))
+        logits, _ = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1), NO_ROWS)
     REGISTRY.uninstall(key)
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     return math.exp(float(nll))

@@ -14,6 +14,7 @@ from models.gguf_loader import read_gguf
 from models.loader import export_checkpoint
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,"
+NO_ROWS = torch.zeros(0, dtype=torch.long)  # no hidden rows: the program's embedding output stays empty
 
 
 class Session:
@@ -48,7 +49,7 @@ def run_prompt(forward, config, ids, chunks=None, all_logits=False):
     outs, at = [], 0
     for n in chunks:
         rows = torch.arange(n) if all_logits else torch.tensor([n - 1])
-        outs.append(forward(torch.tensor([ids[at : at + n]]), torch.arange(at, at + n).unsqueeze(1), rows))
+        outs.append(forward(torch.tensor([ids[at : at + n]]), torch.arange(at, at + n).unsqueeze(1), rows, NO_ROWS)[0])
         at += n
     return torch.cat(outs) if all_logits else outs[-1]
 
@@ -61,7 +62,7 @@ def greedy(forward, config, ids, n, chunks=None, capacity=256):
         for i in range(n):
             t = int(logits[-1].argmax())
             out.append(t)
-            logits = forward(torch.tensor([[t]]), torch.tensor([[len(ids) + i]]), torch.tensor([0]))
+            logits, _ = forward(torch.tensor([[t]]), torch.tensor([[len(ids) + i]]), torch.tensor([0]), NO_ROWS)
     return out
 
 
@@ -175,7 +176,7 @@ def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):
         REGISTRY.install("s", SessionCache(CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, 300)))
         n = len(d["ids"])
         with REGISTRY.active("s"):
-            got = m.forward(torch.tensor([d["ids"]]), torch.arange(n).unsqueeze(1), torch.arange(n))
+            got, _ = m.forward(torch.tensor([d["ids"]]), torch.arange(n).unsqueeze(1), torch.arange(n), torch.arange(0))
         assert torch.equal(got, d["ref"]), (got - d["ref"]).abs().max()
         print("identical")
     """)

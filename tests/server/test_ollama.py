@@ -1,12 +1,13 @@
 """Ollama's API, through the official `ollama` client and raw NDJSON: the same generation path as the
 OpenAI routes (greedy text equal), Ollama's figures and reasons, formats, tools, and its error shape."""
 import json
+import logging
 
 import httpx
 import ollama
 import pytest
 
-from ..live_server import LiveServer
+from ..live_server import LiveServer, metric
 
 MODEL = "smollm2-135m-instruct"
 GREEDY = {"temperature": 0}
@@ -98,6 +99,43 @@ def test_num_predict_num_ctx_and_stop_end_the_reply(client, fast_server):
     assert r.response == again.response
 
 
+# Ollama's own defaults, as its clients send them (seeded, so replies can be compared)
+OLLAMA_DEFAULTS = {"repeat_last_n": 64, "repeat_penalty": 1.1, "temperature": 0.8, "top_k": 40, "top_p": 0.9,
+                   "seed": 11, "num_predict": 24}
+
+
+@pytest.mark.parametrize("sampler", [{}, {"typical_p": 0.7}, {"mirostat": 2}, {"mirostat": 1, "mirostat_tau": 4.0}])
+def test_ollamas_default_options_sample_seeded_and_alone_equals_batched(client, fast_server, sampler):
+    options = {**OLLAMA_DEFAULTS, **sampler}
+    messages = [{"role": "user", "content": "Write two sentences about a lighthouse keeper."}]
+    drafts = metric(fast_server.url, "kvserve:spec_decode_num_drafts")
+    first = client.chat(model=MODEL, messages=messages, options=options)
+    assert first.message.content.strip() and first.eval_count > 0
+    if "mirostat" in sampler:  # its mu moves after every token, so it never drafts
+        assert metric(fast_server.url, "kvserve:spec_decode_num_drafts") == drafts
+    assert client.chat(model=MODEL, messages=messages, options=options).message.content == first.message.content
+    # the same request while another one decodes beside it, in the same steps
+    other = {"model": MODEL, "prompt": "1, 2, 3, 4,", "raw": True, "options": {**GREEDY, "num_predict": 160}}
+    with httpx.stream("POST", fast_server.url + "/api/generate", json=other, timeout=120) as running:
+        lines = running.iter_lines()
+        assert not json.loads(next(lines))["done"]  # it is decoding
+        batched = client.chat(model=MODEL, messages=messages, options=options)
+        rest = [json.loads(line) for line in lines if line]
+    assert rest[-1]["eval_count"] == 160  # it ran on all along
+    assert batched.message.content == first.message.content
+
+
+def test_num_ctx_past_the_models_context_is_clamped_to_it_with_a_warning(client, fast_server, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.ollama"):
+        r = client.generate(model=MODEL, prompt="1, 2, 3,", raw=True, options={**GREEDY, "num_ctx": 10**6, "num_predict": 3})
+    assert r.done and r.eval_count == 3
+    assert any("num_ctx 1000000" in rec.getMessage() and str(fast_server.engine.max_context) in rec.getMessage()
+               for rec in caplog.records)
+    with pytest.raises(ollama.ResponseError) as err:  # a prompt that does not fit is still refused
+        client.generate(model=MODEL, prompt="1, 2, 3, 4, 5, 6,", raw=True, options={**GREEDY, "num_ctx": 3})
+    assert err.value.status_code == 400 and "num_ctx" in err.value.error
+
+
 def test_format_json_and_a_schema_constrain_the_output(client):
     messages = [{"role": "user", "content": "Give me a JSON object describing a city."}]
     r = client.chat(model=MODEL, messages=messages, format="json", options={**GREEDY, "num_predict": 64})
@@ -154,10 +192,10 @@ def test_tags_show_ps_and_version_describe_the_served_model(client, fast_server)
     ({"model": "llama3", "messages": [{"role": "user", "content": "hi"}]}, 404, "not found"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi", "images": ["aGk="]}]}, 400, "image inputs"),
     ({"model": MODEL, "messages": [], "options": {"bogus": 1}}, 400, "'bogus' is not a known field"),
-    ({"model": MODEL, "messages": [], "options": {"mirostat": 2}}, 400, "mirostat"),
+    ({"model": MODEL, "messages": [], "options": {"mirostat": 3}}, 400, "mirostat"),
+    ({"model": MODEL, "messages": [], "options": {"tfs_z": 0.95}}, 400, "tfs_z"),
     ({"model": MODEL, "messages": [], "options": {"temperature": -1}}, 400, "temperature"),
     ({"model": MODEL, "messages": [], "think": True}, 400, "think"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "options": {"num_ctx": 10**6}}, 400, "num_ctx"),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "format": "json", "tools": WEATHER}, 400, "format"),
 ])
 def test_chat_errors_take_ollamas_shape(fast_server, body, status, words):
@@ -183,7 +221,7 @@ def test_the_client_sees_a_missing_model_and_unknown_routes_as_ollama_errors(cli
         with pytest.raises(ollama.ResponseError) as err:
             call()
         assert err.value.status_code == 404 and "llama3" in err.value.error
-    r = httpx.post(fast_server.url + "/api/pull", json={"model": MODEL})
+    r = httpx.post(fast_server.url + "/api/no-such-route", json={"model": MODEL})  # model management: 501 (test_embeddings.py)
     assert r.status_code in (404, 405) and isinstance(r.json()["error"], str)
     assert isinstance(httpx.post(fast_server.url + "/v1/completions", json={}).json()["error"], dict)  # OpenAI's own
 
@@ -195,3 +233,30 @@ def test_api_keys_guard_the_ollama_routes_in_ollamas_shape(served_model):
         assert err.value.status_code == 401 and err.value.error == "missing API key"
         keyed = ollama.Client(host=server.url, headers={"Authorization": "Bearer key-a"})
         assert [m.model for m in keyed.list().models] == [MODEL + ":latest"]
+        assert httpx.head(server.url + "/").status_code == 200  # the probe that a server is up needs no key, as GET /
+
+
+def test_head_root_answers_and_get_root_stays_the_console(fast_server):
+    r = httpx.head(fast_server.url + "/")
+    assert r.status_code == 200 and r.content == b""
+    page = httpx.get(fast_server.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("keep_alive", [0, "0", "0s", "0m0s"])
+def test_keep_alive_zero_without_a_prompt_unloads(client, keep_alive):
+    assert client.generate(model=MODEL, keep_alive=keep_alive).done_reason == "unload"
+    chat = client.chat(model=MODEL, messages=[], keep_alive=keep_alive)
+    assert chat.done and chat.done_reason == "unload" and chat.message.content == ""
+    assert client.generate(model=MODEL, keep_alive="5m").done_reason == "load"
+
+
+def test_keep_alive_zero_with_a_prompt_generates_as_usual(client):
+    r = client.generate(model=MODEL, prompt="1, 2, 3,", raw=True, keep_alive=0, options={**GREEDY, "num_predict": 3})
+    assert r.done_reason == "length" and r.response
+    r = client.chat(model=MODEL, messages=[{"role": "user", "content": "Hi"}], keep_alive=0,
+                    options={**GREEDY, "num_predict": 2})
+    assert r.done_reason == "length"
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(model=MODEL, keep_alive="5")  # a duration needs its unit, as Ollama parses it
+    assert err.value.status_code == 400 and "keep_alive" in err.value.error

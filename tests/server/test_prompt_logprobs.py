@@ -41,7 +41,8 @@ def reference(model, ids: list[int], k: int) -> tuple[list[float], list[list[flo
     REGISTRY.install(key, SessionCache(kv_layout(model, EngineConfig().kv_dtype, len(ids))))
     try:
         with REGISTRY.active(key), torch.inference_mode():
-            logits = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1))
+            logits, _ = model.forward(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(1), torch.arange(len(ids) - 1),
+                                      torch.zeros(0, dtype=torch.long))
     finally:
         REGISTRY.uninstall(key)
     logp = logits.log_softmax(-1)  # [len - 1, V]

@@ -13,42 +13,20 @@ from ..errors import NotSupported
 router = APIRouter(include_in_schema=False)
 
 
-def _refuse(http: HttpRequest, what: str):
-    route = f"{http.method} {http.scope['route'].path}"  # the route's own path: no client text in the message
-    raise NotSupported(f"{route} is not supported: kvserve does not {what}; it serves the one model it was "
-                       "started with")
+# (method, path, what kvserve does not do)
+ROUTES = [("POST", "/api/pull", "download models"), ("POST", "/api/push", "upload models"),
+          ("POST", "/api/create", "create models"), ("POST", "/api/copy", "copy models"),
+          ("DELETE", "/api/delete", "delete models"), ("POST", "/api/blobs/{digest}", "store blobs"),
+          ("HEAD", "/api/blobs/{digest}", "store blobs")]
 
 
-@router.post("/api/pull")
-async def pull(http: HttpRequest):
-    _refuse(http, "download models")
+def _refusal(method: str, path: str, what: str):
+    async def refuse(http: HttpRequest) -> Response:
+        # the route's own path, not the client's: no client text in the message
+        raise NotSupported(f"{method} {path} is not supported: kvserve does not {what}; it serves the one model "
+                           "it was started with")
+    return refuse
 
 
-@router.post("/api/push")
-async def push(http: HttpRequest):
-    _refuse(http, "upload models")
-
-
-@router.post("/api/create")
-async def create(http: HttpRequest):
-    _refuse(http, "create models")
-
-
-@router.post("/api/copy")
-async def copy(http: HttpRequest):
-    _refuse(http, "copy models")
-
-
-@router.delete("/api/delete")
-async def delete(http: HttpRequest):
-    _refuse(http, "delete models")
-
-
-@router.post("/api/blobs/{digest}")
-async def push_blob(digest: str, http: HttpRequest):
-    _refuse(http, "store blobs")
-
-
-@router.head("/api/blobs/{digest}", response_class=Response)
-async def has_blob(digest: str, http: HttpRequest):
-    _refuse(http, "store blobs")
+for _method, _path, _what in ROUTES:
+    router.add_api_route(_path, _refusal(_method, _path, _what), methods=[_method], response_class=Response)

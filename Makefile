@@ -31,13 +31,18 @@ $(STAMP_RUN): pyproject.toml | $(BIN)/python
 	$(BUILD_KERNELS)
 	touch $@
 
+# instructor's metadata caps jiter below what the openai SDK needs; at run time it works with the newer one
+INSTALL_INSTRUCTOR := $(PIP_INSTALL) --no-deps instructor
+
 $(STAMP_TEST): pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) -e '.[test]'
+	$(INSTALL_INSTRUCTOR)
 	$(BUILD_KERNELS)
 	touch $@ $(STAMP_RUN)
 
 $(STAMP_BENCH): pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) -e '.[test,bench]'
+	$(INSTALL_INSTRUCTOR)
 	$(BUILD_KERNELS)
 	touch $@ $(STAMP_TEST) $(STAMP_RUN)
 

@@ -209,6 +209,7 @@ def cmd_generate(args) -> int:
 def cmd_serve(args) -> int:
     from models.loader import load_model
 
+    from .access_log import quiet_health_checks
     from .api.app import create_app
     from .api.model_names import parse_names
     from .engine.engine import Engine
@@ -233,6 +234,7 @@ def cmd_serve(args) -> int:
     server = DrainingServer(uvicorn_config(app, args.host, args.port, header_timeout=server_config.header_timeout,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             engine, args.shutdown_timeout)
+    quiet_health_checks()  # after uvicorn.Config, which (re)configures the uvicorn loggers
     server.run()
     return 0
 

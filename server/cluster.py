@@ -6,7 +6,10 @@ the router's and nginx's (docs/scaling.md).
 
 A replica that dies is reported and left out: the router's health checks stop sending to it, and the
 others go on. It is not restarted, since a session that moved to another replica (by a shared --kv-disk)
-would hash back to it and find itself held there."""
+would hash back to it and find itself held there.
+
+The cluster's /health is its own (server/cluster_health.py): 200 while any replica serves. Every line a
+replica, the router or nginx writes comes out of this process tagged with its name ("[replica 2] ...")."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +27,7 @@ from kvcache.block_pool import DEFAULT_BLOCK_SIZE
 from models.catalog import NAMED_MODELS, fetch
 
 from .cluster_front import start_nginx
+from .cluster_health import ClusterHealth, serve_health
 from .listener import allowed_hosts
 from .local import free_port, stop, wait_healthy
 
@@ -33,6 +37,9 @@ SESSION_TTL_S = 3600  # the router keeps a session on its replica until it has b
 # request routed to it fails once and is retried on another.
 HEALTH_FLAGS = ["--health-check-interval-secs", "1", "--health-check-timeout-secs", "2", "--health-failure-threshold", "2",
                 "--cb-failure-threshold", "3", "--cb-timeout-duration-secs", "30"]
+# vllm-router allows every origin unless given a list, and kvserve allows none unless told: a list of
+# one origin that cannot exist (.invalid is reserved, RFC 2606) makes the router allow none either
+NO_ORIGIN = "https://no-origin.invalid"
 
 
 @dataclass(frozen=True)
@@ -50,9 +57,22 @@ def core_sets(n: int, per: int | None) -> list[tuple[int, ...]]:
     return [tuple(cores[(i * per + j) % len(cores)] for j in range(per)) for i in range(n)]
 
 
-def router_command(binary: str, host: str, port: int, replicas: list[Replica], policy: str, model: str) -> list[str]:
+def allowed_origins(serve_args: list[str]) -> list[str]:
+    """The replicas' --allowed-origins, repeated or comma-separated, as `kvserve serve` reads them."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--allowed-origins", action="append", default=[])
+    values = p.parse_known_args(serve_args)[0].allowed_origins
+    return list(dict.fromkeys(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip()))
+
+
+def router_command(binary: str, host: str, port: int, replicas: list[Replica], policy: str, model: str,
+                   origins: list[str] = ()) -> list[str]:
+    # its metrics on a free loopback port: at its fixed default, a second cluster on the host could not start
     cmd = [binary, "--host", host, "--port", str(port), "--policy", policy, "--worker-urls", *(r.url for r in replicas),
+           "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
            *HEALTH_FLAGS]
+    if "*" not in origins:  # with '*' the router's default (any origin) is the replicas' rule already
+        cmd += ["--cors-allowed-origins", *(origins or [NO_ORIGIN])]
     if policy == "kv_aware":
         for r in replicas:
             cmd += ["--kv-event-source", f"{r.url}={r.events}", "--kv-event-replay-source", f"{r.url}={r.replay}"]
@@ -62,15 +82,31 @@ def router_command(binary: str, host: str, port: int, replicas: list[Replica], p
     return cmd
 
 
+PIPES = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+
+
+def tag_output(proc: subprocess.Popen, name: str) -> subprocess.Popen:
+    """Copies each line `proc` writes (started with PIPES) to this process's stdout or stderr, prefixed
+    with `[name] `: N replicas' logs interleave, and an untagged line could be any of them's."""
+    def copy(source, sink) -> None:
+        for line in iter(source.readline, b""):
+            sink.buffer.write(b"[" + name.encode() + b"] " + line)
+            sink.flush()
+    for source, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+        threading.Thread(target=copy, args=(source, sink), name=f"log {name}", daemon=True).start()
+    return proc
+
+
 def start(n: int, per: int | None, serve_args: list[str], model: str) -> tuple[list[Replica], list[subprocess.Popen]]:
     replicas, procs = [], []
-    for cores in core_sets(n, per):
+    for i, cores in enumerate(core_sets(n, per), start=1):
         port = free_port()
         r = Replica(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", cores)
         cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
                "--kv-events", r.events, "--kv-events-replay", r.replay, *serve_args]
         env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c)))
+        procs.append(tag_output(subprocess.Popen(cmd, env=env, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c), **PIPES),
+                                f"replica {i}"))
         replicas.append(r)
     return replicas, procs
 
@@ -108,25 +144,33 @@ def cmd_cluster(args) -> int:
     if allowed_hosts(args.host, ()) is None:  # the front door faces the network: replicas answer its Host names
         serve_args = ["--allowed-hosts", "*", *serve_args]
     replicas, procs = start(args.replicas, args.cores_per_replica, serve_args, args.model)
-    work = None
+    work = health = None
     try:
+        health = serve_health(ClusterHealth([r.url for r in replicas]), "127.0.0.1", args.health_port or free_port())
+        health_at = "127.0.0.1:%d" % health.server_address[1]
         for r, p in zip(replicas, procs):
             wait_healthy(r.url, 600, p)
         router_port = free_port() if args.nginx else args.port
         router_host = "127.0.0.1" if args.nginx else args.host
-        procs.append(subprocess.Popen(router_command(binary, router_host, router_port, replicas, args.policy, args.model)))
+        procs.append(tag_output(subprocess.Popen(router_command(binary, router_host, router_port, replicas, args.policy,
+                                                                args.model, allowed_origins(serve_args)), **PIPES), "router"))
         wait_healthy(f"http://{router_host}:{router_port}", 120, procs[-1])
         if args.nginx:
             work = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))
-            procs.append(start_nginx(work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
-                                     [r.url.removeprefix("http://") for r in replicas]))
+            procs.append(tag_output(start_nginx(work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
+                                                [r.url.removeprefix("http://") for r in replicas], health_at, **PIPES),
+                                    "nginx"))
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, 60, procs[-1])
         for r, p in zip(replicas, procs):
             print(f"replica {r.url} on cores {','.join(map(str, r.cores))}, pid {p.pid}, KV events {r.events}", flush=True)
+        # without nginx the router holds the public port, and its /health is 503 once any replica is dead
+        print(f"cluster health on {url if args.nginx else 'http://' + health_at}/health", flush=True)
         print(f"router ({args.policy}){', behind nginx for sessions,' if args.nginx else ''} on {url}", flush=True)
         return watch(done, replicas, procs)
     finally:
+        if health is not None:
+            health.shutdown()
         stop(procs)
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
@@ -142,5 +186,8 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="the cluster's port: the router's, or nginx's with --nginx")
     p.add_argument("--nginx", action="store_true",
                    help="nginx in front: requests with a session (X-Session-Id, /v1/sessions/ID) go to its replica")
+    p.add_argument("--health-port", type=int, default=0,
+                   help="loopback port of the cluster's own /health (200 while any replica serves); default: a free "
+                        "one. With --nginx it is also the public port's /health")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for every replica's kvserve serve")
     p.set_defaults(func=cmd_cluster)

@@ -6,14 +6,35 @@ A session lives on one replica. The router cannot keep all of a session's routes
 or DELETE has none of (docs/scaling.md). nginx hashes the session's id instead: the `X-Session-Id` header,
 else the id in `/v1/sessions/{id}/...`. A request with neither goes to the router. When a replica dies,
 its sessions hash to the next one, which takes them up from a shared --kv-disk.
+
+nginx also answers for the cluster as a whole: /health goes to the cluster's own health endpoint
+(server/cluster_health.py); an error nginx makes itself (a replica gone mid-request, no replica to
+connect to) is kvserve's JSON error shape, never nginx's HTML page; and the router's CORS headers are
+its own, set to agree with the replicas' --allowed-origins (server/cluster.py).
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 FAIL_TIMEOUT_S = 10  # a replica that refused a connection is skipped this long before nginx tries it again
+# the errors nginx makes itself, as kvserve's errors read (server/errors.py); a replica's own 503 (it is
+# draining) passes through untouched, since proxy_intercept_errors stays off
+ERRORS = {502: "the replica failed before it answered; try again",
+          503: "no replica can take the request now; try again",
+          504: "a replica did not answer in time"}
+RETRY_AFTER_S = 1  # the next replica in the ring takes a dead one's sessions at once
+
+
+def error_locations() -> str:
+    out = []
+    for status, message in ERRORS.items():
+        body = json.dumps({"error": {"message": message, "type": "unavailable_error", "param": None, "code": status}})
+        retry = f"add_header Retry-After {RETRY_AFTER_S} always;" if status != 504 else ""
+        out.append(f"location @kvserve_{status} {{ default_type application/json; {retry} return {status} '{body}'; }}")
+    return "\n        ".join(out)
 
 
 def nginx_binary() -> str:
@@ -23,8 +44,9 @@ def nginx_binary() -> str:
     return binary
 
 
-def nginx_config(work: Path, listen: str, router: str, replicas: list[str]) -> str:
-    """The whole nginx.conf: `listen` (HOST:PORT), `router` and each replica as HOST:PORT."""
+def nginx_config(work: Path, listen: str, router: str, replicas: list[str], health: str) -> str:
+    """The whole nginx.conf: `listen` (HOST:PORT), `router`, each replica and the cluster's `health`
+    endpoint as HOST:PORT."""
     temp = "\n    ".join(f"{kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     servers = "\n        ".join(f"server {r} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;" for r in replicas)
     return f"""# written by kvserve cluster --nginx (server/cluster_front.py)
@@ -61,13 +83,26 @@ http {{
     server {{
         listen {listen};
         client_max_body_size 8m;
+        error_page 502 @kvserve_502;
+        error_page 503 @kvserve_503;
+        error_page 504 @kvserve_504;
+        {error_locations()}
+        # the router's own /health is 503 once any replica is dead: the cluster's says whether any serves
+        location = /health {{
+            proxy_pass http://{health};
+            proxy_connect_timeout 2s;
+            proxy_read_timeout 10s;
+        }}
         location / {{
             proxy_pass http://$kvserve_upstream;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $host;
-            # a replica that is down: on to the next one in the ring, for a request not yet sent
+            # a replica that is down: once on to the next one in the ring. Without `non_idempotent`
+            # nginx retries a POST only when it was never sent (the connection failed): one that was
+            # sent may have run, and a second run would double a session's turn
             proxy_next_upstream error timeout;
+            proxy_next_upstream_tries 2;
             proxy_connect_timeout 2s;
             # token streams (SSE) must not wait in a buffer
             proxy_buffering off;
@@ -78,7 +113,7 @@ http {{
 """
 
 
-def start_nginx(work: Path, listen: str, router: str, replicas: list[str]) -> subprocess.Popen:
+def start_nginx(work: Path, listen: str, router: str, replicas: list[str], health: str, **popen) -> subprocess.Popen:
     work.mkdir(parents=True, exist_ok=True)
-    (work / "nginx.conf").write_text(nginx_config(work, listen, router, replicas))
-    return subprocess.Popen([nginx_binary(), "-c", str(work / "nginx.conf"), "-p", str(work)])
+    (work / "nginx.conf").write_text(nginx_config(work, listen, router, replicas, health))
+    return subprocess.Popen([nginx_binary(), "-c", str(work / "nginx.conf"), "-p", str(work)], **popen)

@@ -21,6 +21,9 @@ from .tool_stream import ToolCallStream
 # "timeout": its deadline passed while it ran (as the OpenAI routes say; Anthropic has no such reason)
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "cancelled": "max_tokens",
                 "timeout": "timeout", "error": "end_turn",
+                # the server's drain ended it mid-turn: Anthropic's reason for a turn that stopped early and
+                # may be sent back as-is to continue (which a restarted server or another replica does)
+                "shutdown": "pause_turn",
                 "unmet": "max_tokens"}  # its grammar allowed nothing more: the output is incomplete
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -9,8 +9,10 @@ from . import generation
 
 # "timeout": the request's deadline passed while it ran (its `timeout`, or --request-timeout); "error": also
 # where the output constraint allowed nothing more, so the output does not meet it (as vLLM says for a failed request)
+# "shutdown": the server's drain ended it; "abort" as vLLM says for a request the server ended (OpenAI has no
+# such reason, and its SDKs pass the string through): "length" would tell a client to raise max_tokens and retry here
 OPENAI_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout", "cancelled": "length",
-                  "error": "error", "unmet": "error"}
+                  "error": "error", "unmet": "error", "shutdown": "abort"}
 
 
 def usage(finished: list[Finished], n: int = 1) -> dict:

@@ -26,7 +26,9 @@ from .tool_stream import ToolCallStream
 PREFIX = "/api/"
 # the Ollama release whose API this speaks (format schemas, tools, streamed tool calls): clients gate features on it
 OLLAMA_VERSION = "0.8.0"
+# "shutdown": the server's drain ended it ("abort", as the OpenAI routes say; Ollama's done_reason is free text)
 REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout", "cancelled": "stop", "error": "stop",
+           "shutdown": "abort",
            "unmet": "length"}  # its grammar allowed nothing more: the output is incomplete
 NDJSON = "application/x-ndjson"
 BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q4": 20 / 32}  # q4: Q4_1 blocks of 32 weights in 20 bytes

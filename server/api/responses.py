@@ -30,6 +30,7 @@ from . import generation, openai, tools
 from .responses_errors import ERROR_RESPONSES
 from .responses_items import check_call_outputs, input_items
 from .responses_records import is_stored_response
+from .responses_restart import settle
 from .responses_schemas import NamedFunction, ResponseRequest
 from .responses_stream import ResponseEvents, call_item, message_item, new_id
 from .schemas import ChatCompletionRequest
@@ -37,7 +38,8 @@ from .schemas import ChatCompletionRequest
 router = APIRouter(prefix="/v1/responses", tags=["responses"], responses=ERROR_RESPONSES)
 log = logging.getLogger("kvserve.responses")
 
-INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout", "cancelled": "cancelled", "unmet": "constraint_unmet"}
+INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout", "cancelled": "cancelled", "unmet": "constraint_unmet",
+              "shutdown": "server_shutdown"}
 
 
 def chat_request(body: ResponseRequest, conversation: list[dict]) -> ChatCompletionRequest:
@@ -128,7 +130,8 @@ class _Run:
         engine = generation.engine_of(self.http)
         start = len(self.history)
         meta = {"response": response, "conversation": [*self.history, *self.turn, *output],
-                "input": [start, start + len(self.turn)]}
+                "input": [start, start + len(self.turn)],
+                "server": self.http.app.state.instance_id}  # which process ran it (responses_restart.py)
         with engine.lock:  # the step loop writes the session's record under it
             self.session.meta = meta
             engine.pool.persist(self.session)
@@ -194,7 +197,7 @@ async def create_response(body: ResponseRequest, http: HttpRequest):
     generation.check_model(http, body.model)
     history, previous = [], None
     if body.previous_response_id is not None:
-        previous = _stored(http, body.previous_response_id, "previous_response_id")
+        previous = settle(http, _stored(http, body.previous_response_id, "previous_response_id"))
         history = previous.meta["conversation"]
     run = _Run(http, body, history, input_items(body.input))
     check_call_outputs(history, run.turn)
@@ -264,7 +267,7 @@ async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
 
 @router.get("/{response_id}")
 async def get_response(response_id: str, http: HttpRequest) -> dict:
-    return _stored(http, response_id).meta["response"]
+    return settle(http, _stored(http, response_id)).meta["response"]
 
 
 @router.delete("/{response_id}")

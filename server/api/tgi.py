@@ -16,6 +16,7 @@ router = APIRouter(tags=["tgi"], responses=ERROR_RESPONSES)
 
 TGI_REASONS = {"eos": "eos_token", "stop": "stop_sequence", "length": "length", "timeout": "timeout",
                "cancelled": "length", "error": "length",
+               "shutdown": "abort",  # the server's drain ended it (as the OpenAI routes say; TGI has no such reason)
                "unmet": "length"}  # TGI has no reason for output that missed its grammar: it is incomplete
 
 

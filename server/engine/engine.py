@@ -89,12 +89,24 @@ class Engine(SessionOps):
         self._sweeper = asyncio.ensure_future(self._sweep_loop())
 
     async def drain(self, timeout: float) -> bool:
-        """Refuse new work, then wait up to `timeout` s for in-flight requests; True if all finished."""
+        """Refuse new work, wait up to `timeout` s for in-flight requests, then end those left with the reason
+        "shutdown"; True if all finished by themselves."""
         self.accepting = False
         deadline = time.monotonic() + timeout
         while self.scheduler.has_work() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return not self.scheduler.has_work()
+        if not self.scheduler.has_work():
+            return True
+        # Past the timeout the engine ends what still runs, as a cancel would but under its own reason: each
+        # handler then gets a Finished, so its stream ends with its dialect's final event (not a connection
+        # cut by uvicorn's task cancellation), and each session is retired, its record persisted, before
+        # stop() closes the disk tier.
+        with self.lock:
+            for req in (*self.scheduler.waiting, *self.scheduler.running):
+                self.cancel(req, "shutdown")
+        while self.scheduler.has_work():
+            await asyncio.sleep(0.05)
+        return False
 
     async def stop(self) -> None:
         self._stopping = True
@@ -215,9 +227,9 @@ class Engine(SessionOps):
         finishes with its final normed hidden states pooled (--pooling) and L2-normalized."""
         return self.submit_temporary(prompt, [SamplingParams(max_tokens=0)], owner, scheduling, self.config.pooling)[0]
 
-    def cancel(self, req: Sequence) -> None:
-        if req.finished is None:
-            req.cancelled = True
+    def cancel(self, req: Sequence, reason: str = "cancelled") -> None:
+        if req.finished is None and not req.cancelled:
+            req.cancelled, req.cancel_reason = True, reason
             self._wake.set()
 
     def cut(self, req: Sequence, kept: int) -> None:

@@ -217,7 +217,7 @@ class Scheduler:
         now = time.monotonic()
         for req in [r for r in (*self.waiting, *self.running) if r.cancelled or r.past_deadline(now)]:
             if req.cancelled:
-                req.finish("cancelled")
+                req.finish(req.cancel_reason)
             elif req.admitted_at is not None:
                 req.finish("timeout")  # it ran: it ends with its tokens so far, as a cancel would
             else:
@@ -281,7 +281,7 @@ class Scheduler:
             if req.stop_at is not None:
                 req.end_at(req.stop_at)
             elif req.cancelled:
-                req.finish("cancelled")
+                req.finish(req.cancel_reason)
             elif tokens:
                 self.counts.emitted += req.accept_all(tokens, self.eos_ids)
             elif not req.wants_tokens and not session.pending:

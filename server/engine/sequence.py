@@ -47,6 +47,7 @@ class Finished:
     """The end of a request, with its usage."""
 
     # "eos" | "stop" | "length" | "timeout" (its deadline passed while it ran) | "cancelled" | "error"
+    # | "shutdown" (the server's drain outlasted --shutdown-timeout: the server ended it, with its tokens so far)
     # | "unmet" (its output constraint could not be met)
     reason: str
     prompt_tokens: int
@@ -80,6 +81,7 @@ class Sequence:
     sink: Callable[[asyncio.Queue, object], None] | None = None
     finished: Finished | None = None
     cancelled: bool = False
+    cancel_reason: str = "cancelled"  # what it ends with once cancelled: "shutdown" where the server's drain ended it
     stop_at: int | None = None  # a stop string found while a step ran it: end after this many tokens, once it ends
     fetch: Future | None = None  # its history's blocks being read back from disk: it waits in the queue meanwhile
     priority: int = 0  # within its tenant, lower goes first (as vLLM's `priority`)

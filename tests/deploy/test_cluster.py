@@ -270,10 +270,15 @@ def test_the_events_rebuild_the_pool_index_and_the_disk_exactly(served_model, tm
 
 def test_the_nginx_front_sends_session_traffic_to_replicas_and_the_rest_to_the_router(tmp_path):
     """The config `kvserve cluster --nginx` writes, checked by nginx itself, and its routing rule."""
-    conf = nginx_config(tmp_path, "127.0.0.1:8080", "127.0.0.1:9000", ["127.0.0.1:9001", "127.0.0.1:9002"])
+    conf = nginx_config(tmp_path, "127.0.0.1:8080", "127.0.0.1:9000", ["127.0.0.1:9001", "127.0.0.1:9002"],
+                        "127.0.0.1:9003")
     (tmp_path / "nginx.conf").write_text(conf)
     done = subprocess.run([nginx_binary(), "-t", "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "hash $kvserve_session consistent" in conf and conf.count("max_fails=1") == 2
     assert '""      kvserve_router;' in conf  # no session id: the router
+    assert "location = /health" in conf and "proxy_pass http://127.0.0.1:9003;" in conf  # the cluster's own health
+    # never retried once sent, since a POST may have run; nginx's own errors in kvserve's JSON
+    assert "proxy_next_upstream error timeout;" in conf and "proxy_next_upstream_tries 2;" in conf
+    assert all(f"error_page {s} @kvserve_{s};" in conf for s in (502, 503, 504))

@@ -121,7 +121,11 @@ def test_a_dead_replica_leaves_a_healthy_cluster_json_errors_and_quiet_tagged_lo
             r = httpx.post(url + "/v1/chat/completions", headers={"X-Session-Id": sid}, timeout=60,
                            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
             assert r.status_code == 200 or is_kvserve_error(r), r.text
-        assert httpx.get(url + "/v1/models", timeout=30).status_code == 200  # the router routes on
+        # the router routes on, once its own health checks have taken the dead replica out
+        deadline = time.monotonic() + 30
+        while (r := httpx.get(url + "/v1/models", timeout=30)).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert r.status_code == 200, r.text
         assert proc.poll() is None
     finally:
         stop_cluster(proc)

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 
+def cut(value: str) -> str:
+    """A client's id or name as an error message may show it: never more than 64 characters of what it sent."""
+    return value if len(value) <= 64 else value[:61] + "..."
+
+
 def quoted(value: str) -> str:
-    """A client's id or name as an error message quotes it: never more than 64 characters of what it sent."""
-    return repr(value if len(value) <= 64 else value[:61] + "...")
+    return repr(cut(value))
 
 
 class ApiError(Exception):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, cut
 from .anthropic_schemas import Message, Tool, ToolResultBlock, ToolUseBlock
 
 MAX_REASON = 200  # characters of the validator's reason quoted back: it may repeat a large part of the schema
@@ -35,14 +35,14 @@ def check_turns(messages: list[Message]) -> None:
             if b.tool_use_id not in asked:
                 raise InvalidRequest(
                     f"messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: "
-                    f"{b.tool_use_id[:64]}. Each `tool_result` block must have a corresponding `tool_use` block in "
+                    f"{cut(b.tool_use_id)}. Each `tool_result` block must have a corresponding `tool_use` block in "
                     "the previous message.", param=f"messages.{i}.content.{j}")
             answered.add(b.tool_use_id)
         missing = [k for k in asked if k not in answered]
         if missing:
             raise InvalidRequest(
                 f"messages.{asked[missing[0]]}: `tool_use` ids were found without `tool_result` blocks immediately "
-                f"after: {', '.join(k[:64] for k in missing[:8])}. Each `tool_use` block must have a corresponding "
+                f"after: {', '.join(cut(k) for k in missing[:8])}. Each `tool_use` block must have a corresponding "
                 "`tool_result` block in the next message.", param=f"messages.{asked[missing[0]]}")
         asked = {}
 

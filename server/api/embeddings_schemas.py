@@ -6,7 +6,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BeforeValidator, Field
 
-from .ollama_schemas import OllamaOptions, _DURATION
+from .ollama_schemas import KeepAlive, OllamaOptions
 from .schemas import Priority, _fail
 from .tokenize_schemas import _UtilityBody
 
@@ -36,15 +36,6 @@ def _ollama_input(value: Any) -> Any:
     if isinstance(value, list) and len(value) > MAX_INPUTS:
         _fail("too_long", f"at most {MAX_INPUTS} inputs are allowed in one request, got {len(value)}")
     return value
-
-
-def _duration(value: Any) -> Any:
-    if isinstance(value, str) and not _DURATION.fullmatch(value.strip()):
-        _fail("duration", f"{value[:64]!r} is not a duration: a number of seconds, or e.g. \"5m\", \"1h30m\", \"0\"")
-    return value
-
-
-KeepAlive = Annotated[float | str | None, BeforeValidator(_duration)]  # the model stays loaded for the server's life
 
 
 class EmbeddingRequest(_UtilityBody):

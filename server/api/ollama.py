@@ -17,7 +17,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
 from ..engine.sequence import Finished, Sequence, TokenEvent
-from ..errors import ApiError, InvalidRequest, NotFound
+from ..errors import ApiError, InvalidRequest, NotFound, cut
 from . import generation, model_names, openai, tools
 from .ollama_schemas import DEFAULTS, ERRORS, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
 from .schemas import ChatCompletionRequest
@@ -54,8 +54,7 @@ def _check_model(http: HttpRequest, model: str) -> None:
     """Ollama names carry a tag: a served name (or alias) is this model bare or as `:latest`, the tag
     /api/tags lists; another tag is another model, not found, in Ollama's words."""
     if model_names.resolve(http.app.state.config, model) is None:
-        shown = model if len(model) <= 64 else model[:61] + "..."
-        raise NotFound(f"model '{shown}' not found", param="model")
+        raise NotFound(f"model '{cut(model)}' not found", param="model")
 
 
 def _grammar(http: HttpRequest, body, tools_offered: bool) -> str | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 from ..engine.sampling import SamplingParams
-from .schemas import MAX_TOKENS_LIMIT, StopList, Tool, _Body
+from ..errors import cut
+from .schemas import MAX_TOKENS_LIMIT, StopList, Tool, _Body, _fail
 
 # Ollama's own defaults, where a request names none. Its repeat_penalty 1.1 is left out: without it the
 # routes' greedy text stays the OpenAI routes' (a client that sends it gets it, over repeat_last_n's window).
@@ -94,21 +95,24 @@ class OllamaOptions(_Body):
         )
 
 
+def _duration(value: Any) -> Any:
+    if isinstance(value, str) and not _DURATION.fullmatch(value.strip()):
+        _fail("duration", f"{cut(value)!r} is not a duration: a number of seconds, or e.g. \"5m\", \"1h30m\", \"0\"")
+    return value
+
+
+# seconds, or a Go duration; the model stays loaded for the server's life whatever it says
+KeepAlive = Annotated[float | str | None, BeforeValidator(_duration)]
+
+
 class _OllamaRequest(_Body):
     model: Annotated[str, Field(min_length=1, max_length=512)]
     stream: bool = True
     options: OllamaOptions = OllamaOptions()
     format: Literal["", "json"] | dict[str, Any] | None = None  # "json": any object; an object: its JSON schema
-    keep_alive: float | str | None = None  # seconds, or a Go duration; the model stays loaded for the server's life
+    keep_alive: KeepAlive = None
     think: bool | Literal["low", "medium", "high"] | None = None
     session_id: str | None = None
-
-    @field_validator("keep_alive")
-    @classmethod
-    def _duration(cls, value: float | str | None) -> float | str | None:
-        if isinstance(value, str) and not _DURATION.fullmatch(value.strip()):
-            raise ValueError(f"{value[:64]!r} is not a duration: a number of seconds, or e.g. \"5m\", \"1h30m\", \"0\"")
-        return value
 
     @property
     def unloads(self) -> bool:

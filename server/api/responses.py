@@ -160,9 +160,9 @@ def _stored(http: HttpRequest, response_id: str, param: str = "response_id") -> 
                 session.meta = None
         meta = None
     if not meta:
-        raise NotFound(f"no stored response {response_id!r}: it never existed, was deleted, expired, was not "
+        raise NotFound(f"no stored response {quoted(response_id)}: it never existed, was deleted, expired, was not "
                        "stored (store=false), or belongs to another key", param=param)
-    return session
+    return settle(http, session)  # one whose run died with its server reads as incomplete
 
 
 def _start(run: _Run, previous: Session | None) -> Sequence:
@@ -197,7 +197,7 @@ async def create_response(body: ResponseRequest, http: HttpRequest):
     generation.check_model(http, body.model)
     history, previous = [], None
     if body.previous_response_id is not None:
-        previous = settle(http, _stored(http, body.previous_response_id, "previous_response_id"))
+        previous = _stored(http, body.previous_response_id, "previous_response_id")
         history = previous.meta["conversation"]
     run = _Run(http, body, history, input_items(body.input))
     check_call_outputs(history, run.turn)
@@ -267,7 +267,7 @@ async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
 
 @router.get("/{response_id}")
 async def get_response(response_id: str, http: HttpRequest) -> dict:
-    return settle(http, _stored(http, response_id)).meta["response"]
+    return _stored(http, response_id).meta["response"]
 
 
 @router.delete("/{response_id}")
@@ -288,7 +288,7 @@ async def list_input_items(response_id: str, http: HttpRequest, order: Literal["
     if after is not None:
         at = next((i for i, item in enumerate(items) if item["id"] == after), None)
         if at is None:
-            raise NotFound(f"no input item {after!r} in response {response_id!r}", param="after")
+            raise NotFound(f"no input item {quoted(after)} in response {quoted(response_id)}", param="after")
         items = items[at + 1:]
     page = items[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcache.disk_files import FILE_MODE, make_folders, read_regular
+
 MAX_LABELS = 32  # tenants past the first this many share the metrics label "other"
 SECRET_FILE = "tenant-labels.key"
 
@@ -43,18 +45,16 @@ def label_secret(folder: str | None) -> bytes:
         return secrets.token_bytes(32)
     path = Path(folder) / SECRET_FILE
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_folders(path.parent, path.parent)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
         except FileExistsError:
             pass
         else:  # a server beside this one reads it only once it is whole: it waits below for 32 bytes
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_bytes(32))
         for _ in range(100):
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-            with os.fdopen(fd, "rb") as f:
-                secret = f.read()
+            secret = read_regular(path)  # the disk tier's rule: no symlink, no FIFO to hang on
             if len(secret) >= 32:
                 return secret
             time.sleep(0.01)

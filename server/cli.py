@@ -16,7 +16,7 @@ from kvcache import Sizing
 from . import cluster
 from .config import KV_DTYPES, POOLINGS, EngineConfig, ServerConfig, parse_bytes
 from .engine.drafts import MODES, SpeculationConfig
-from .listener import uvicorn_config
+from .listener import origin_list, uvicorn_config
 
 log = logging.getLogger("kvserve")
 
@@ -226,8 +226,8 @@ def cmd_serve(args) -> int:
                                  model_aliases=names[1:],
                                  header_timeout=args.header_timeout,
                                  tenant_header=args.tenant_header, trusted_proxies=tuple(args.trusted_proxy or ()),
-                                 allowed_origins=_origins(args.allowed_origins or ()), host=args.host,
-                                 allowed_hosts=_origins(args.allowed_hosts or ()), admin_key=args.admin_key)
+                                 allowed_origins=origin_list(args.allowed_origins or ()), host=args.host,
+                                 allowed_hosts=origin_list(args.allowed_hosts or ()), admin_key=args.admin_key)
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
              model.config.max_context, time.time() - start)
@@ -237,12 +237,6 @@ def cmd_serve(args) -> int:
     quiet_health_checks()  # after uvicorn.Config, which (re)configures the uvicorn loggers
     server.run()
     return 0
-
-
-def _origins(values: list[str]) -> tuple[str, ...]:
-    """--allowed-origins (or --allowed-hosts), repeated or comma-separated: 'https://a.example,https://b.example'
-    or '*'."""
-    return tuple(dict.fromkeys(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip()))
 
 
 class DrainingServer(uvicorn.Server):

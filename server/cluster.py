@@ -28,7 +28,7 @@ from models.catalog import NAMED_MODELS, fetch
 
 from .cluster_front import start_nginx
 from .cluster_health import ClusterHealth, serve_health
-from .listener import allowed_hosts
+from .listener import allowed_hosts, origin_list
 from .local import free_port, stop, wait_healthy
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin", "consistent_hash", "power_of_two", "random")
@@ -61,8 +61,7 @@ def allowed_origins(serve_args: list[str]) -> list[str]:
     """The replicas' --allowed-origins, repeated or comma-separated, as `kvserve serve` reads them."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--allowed-origins", action="append", default=[])
-    values = p.parse_known_args(serve_args)[0].allowed_origins
-    return list(dict.fromkeys(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip()))
+    return list(origin_list(p.parse_known_args(serve_args)[0].allowed_origins))
 
 
 def router_command(binary: str, host: str, port: int, replicas: list[Replica], policy: str, model: str,

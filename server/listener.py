@@ -36,6 +36,12 @@ def allowed_hosts(bind: str, extra: tuple[str, ...]) -> frozenset[str] | None:
     return frozenset(names | set(LOOPBACK_NAMES)) if loopback else frozenset(names) or None
 
 
+def origin_list(values: list[str]) -> tuple[str, ...]:
+    """--allowed-origins (or --allowed-hosts), repeated or comma-separated: 'https://a.example,https://b.example'
+    or '*'."""
+    return tuple(dict.fromkeys(o.strip().rstrip("/") for v in values for o in v.split(",") if o.strip()))
+
+
 def host_name(value: str) -> str:
     """'example.com:8000' -> 'example.com'; '[::1]:8000' -> '::1'."""
     value = value.strip().lower()

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from server.cli import _origins
+from server.listener import origin_list
 from server.config import ServerConfig
 
 from ..live_server import LiveServer, metric
@@ -127,7 +127,7 @@ def test_cors_preflight_needs_no_key_and_answers_only_listed_origins(guarded_ser
 
 
 def test_cors_any_origin_and_the_flag(served_model):
-    assert _origins(["https://a.example, https://b.example/", "*", "https://a.example"]) == (
+    assert origin_list(["https://a.example, https://b.example/", "*", "https://a.example"]) == (
         "https://a.example", "https://b.example", "*")
     with LiveServer(served_model, server_config=ServerConfig(model_name=MODEL, allowed_origins=("*",))) as server:
         r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://anywhere.example"})

@@ -36,7 +36,7 @@ def best_of(fn, calls: int) -> float:
 def linears() -> dict:
     out = {}
     for name, n, k, rows in LINEARS:
-        fast = LinearBlocks(torch.nn.Linear(k, n, bias=False), "q8" if name == "lm_head" else "q4")
+        fast = LinearBlocks.quantized(torch.nn.Linear(k, n, bias=False), "q8" if name == "lm_head" else "q4")
         x = torch.randn(rows, k)
         with torch.no_grad():
             out[f"{name} {n}x{k}, {rows} rows, us"] = round(best_of(lambda: fast(x), max(10, 3000 // rows)) * 1e6, 1)

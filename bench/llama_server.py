@@ -10,22 +10,22 @@ $KVSERVE_CACHE/llama-server/<version>/build/bin/.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from launch import running  # noqa: E402
 
+from tests.models.gguf_files import LLAMA_CPP_PYTHON, llama_cpp_source  # noqa: E402
+
 from models.catalog import cache_dir  # noqa: E402
 from server.local import free_port  # noqa: E402
 
-VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp revision compared
+VERSION = LLAMA_CPP_PYTHON  # llama-cpp-python, whose sdist vendors the llama.cpp revision compared
 # 32 slots of 3,072 tokens: room for 32 conversations of 2,000-token histories and their replies
+TOOLS = ("llama-server", "llama-quantize", "llama-perplexity")
 SERVE_FLAGS = ["-np", "32", "-c", "98304", "--cont-batching", "--jinja"]
 
 
@@ -34,32 +34,29 @@ def binary_path() -> Path:
 
 
 def build(quiet: bool = False) -> Path:
-    """The cached llama-server, built first if it is not there (pip download, cmake, one target). It is
+    """The cached llama-server (and TOOLS), built first if it is not there (pip download, cmake). It is
     built where it stays: the binary finds the ggml libraries beside it in the build tree."""
     target = binary_path()
-    if target.is_file():
+    if all((target.parent / t).is_file() for t in TOOLS):
         return target
     out = subprocess.DEVNULL if quiet else sys.stderr
     root = target.parents[2]
-    shutil.rmtree(root, ignore_errors=True)  # a build that stopped half-way
-    root.mkdir(parents=True)
-    with tempfile.TemporaryDirectory(prefix="kvserve-llama-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={VERSION}", "-d", tmp], check=True, stdout=out, stderr=out)
-        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        shutil.move(str(next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))), root / "llama.cpp")
+    source = llama_cpp_source()  # downloaded and unpacked into root/llama.cpp once
     build_dir = root / "build"
     # -march=native, but no AMX: where the CPU has it and the kernel does not grant its tiles to the
     # process (virtual machines), ggml's AMX path dies at start with SIGILL or SIGSEGV
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-    subprocess.run(["cmake", "-S", str(root / "llama.cpp"), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+    subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"],
                    check=True, stdout=out, stderr=out)
-    subprocess.run(["cmake", "--build", str(build_dir), "--target", "llama-server", "-j", str(os.cpu_count() or 2)],
+    subprocess.run(["cmake", "--build", str(build_dir), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)],
                    check=True, stdout=out, stderr=out)
     return target
+
+
+def tool(name: str) -> Path:
+    """Another of the built tools (llama-quantize, llama-perplexity), beside llama-server."""
+    return build(quiet=True).parent / name
 
 
 def llama_server(binary: str | Path, gguf: str | Path, extra: list[str] | None = None, threads: int = 2):

@@ -1,36 +1,20 @@
-"""llama.cpp's Q4_1 and Q8_0 block formats as uint8 tensors: quantize and dequantize in torch.
+"""Requantizing, when asked (--weights q4, q4_0, q8_0): a float weight -> llama.cpp's Q4_1, Q4_0 or
+Q8_0 blocks, decoded as their panel kind's quants and fields (formats/panels.py).
 
-Layout contract, per weight row of K values (K a multiple of 32, nb = K/32 blocks), fields as arrays:
-    Q4_1, 20 bytes a block: nb*16 bytes of nibbles (byte j of a block = q[j] | q[j + 16] << 4),
-          then nb fp16 scales d, then nb fp16 mins m; w = d*q + m
-    Q8_0, 34 bytes a block: nb*32 int8 q, then nb fp16 scales d; w = d*q
-(llama.cpp interleaves each block's fields.)
-Quantizing rounds with the fp16 scale actually stored, so a tensor dequantized from these formats
-(a GGUF's Q4_1/Q8_0 weights) quantizes back to the same blocks.
-
-Panels, the layout the kernels read (kernels/quant_matmul.cpp): the same blocks, regrouped so that 8
-output features sit side by side. A weight of N rows becomes [P, nb, panel block] uint8, P = N/8 rounded
-up to an even count (rows past N are zeros); panel p holds rows 8p..8p+7, and its block b holds their
-block b: the quants by pairs of k, feature beside feature, then 8 fp16 scales (then 8 fp16 mins).
-    Q4_1, 160 bytes: 128 bytes of nibbles, byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4,
-          then d_0..d_7, then m_0..m_7
-    Q8_0, 272 bytes: 256 int8, byte 16j + 2f + e = q_f[2j + e], then d_0..d_7
-One extending load then gives two k of all 8 features as int16, the operand of a broadcast multiply, and
-the same bytes per weight are read as from the row layout. They are the only copy a model holds.
+    Q4_1 (kind q4):   per block of 32, d = (max - min)/15, m = min; q = round((w - m)/d), 0..15
+    Q4_0 (kind q4_0): d = v/-8, v the value of largest magnitude; q = trunc(w/d + 8.5), 0..15
+    Q8_0 (kind q8):   d = amax/127; q = round(w/d), -127..127
+Each rounds with the fp16 scale actually stored, so a weight dequantized from these formats (a GGUF's
+Q4_1, Q4_0 or Q8_0 tensor) quantizes back to the same blocks.
 """
 from __future__ import annotations
 
 import torch
 
+from .formats.panels import KINDS, pack
+
 BLOCK = 32
-BYTES_PER_BLOCK = {"q4": 20, "q8": 34}
-PANEL, PANEL_GROUP = 8, 2  # features per panel; panels per kernel tile, so P is a multiple of it
-PANEL_QUANT_BYTES = {"q4": 128, "q8": 256}  # of a panel block, before its scales (and mins)
-
-
-def _as_bytes(x: torch.Tensor) -> torch.Tensor:
-    """[N, nb] float16 -> [N, nb, 2] uint8 (little-endian, as the kernels read it)."""
-    return x.contiguous().unsqueeze(-1).view(torch.uint8)
+REQUANT_KINDS = ("q4", "q4_0", "q8")
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
@@ -40,92 +24,36 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
     return w.float().reshape(n, k // BLOCK, BLOCK)  # [N, nb, 32]
 
 
-def quantize_q4(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] float -> [N, K/32 * 20] uint8 (Q4_1)."""
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    d = d.float()
+    return torch.where(d != 0, 1 / d, torch.zeros_like(d)).unsqueeze(-1)
+
+
+def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """[N, K] float -> (quants [N, K/32, 32] uint8, fields [N, K/32] each) of a REQUANT_KINDS kind."""
     b = _blocks(w)
-    lo, hi = b.amin(-1), b.amax(-1)  # [N, nb]
-    d = ((hi - lo) / 15).half()
-    m = lo.half()
-    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(lo))
-    q = ((b - m.float().unsqueeze(-1)) * inv.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)  # [N, nb, 32]
-    nibbles = q[..., :16] | (q[..., 16:] << 4)  # [N, nb, 16]
-    n = w.shape[0]
-    return torch.cat([nibbles.reshape(n, -1), _as_bytes(d).reshape(n, -1), _as_bytes(m).reshape(n, -1)], dim=-1)
+    if kind == "q4":
+        lo, hi = b.amin(-1), b.amax(-1)  # [N, nb]
+        d, m = ((hi - lo) / 15).half(), lo.half()
+        q = ((b - m.float().unsqueeze(-1)) * _inverse(d)).round().clamp(0, 15)
+        return q.to(torch.uint8), [d, m]
+    if kind == "q4_0":
+        at = b.abs().argmax(-1, keepdim=True)
+        d = (b.gather(-1, at).squeeze(-1) / -8).half()
+        q = (b * _inverse(d) + 8.5).trunc().clamp(0, 15)
+        return q.to(torch.uint8), [d]
+    if kind == "q8":
+        d = (b.abs().amax(-1) / 127).half()
+        q = (b * _inverse(d)).round().clamp(-127, 127)
+        return q.to(torch.int8).view(torch.uint8), [d]
+    raise ValueError(f"cannot requantize to {kind!r}; choose one of {', '.join(REQUANT_KINDS)}")
 
 
-def quantize_q8(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] float -> [N, K/32 * 34] uint8 (Q8_0)."""
-    b = _blocks(w)
-    d = (b.abs().amax(-1) / 127).half()  # [N, nb]
-    inv = torch.where(d.float() > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
-    q = (b * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)  # [N, nb, 32]
-    n = w.shape[0]
-    return torch.cat([q.view(torch.uint8).reshape(n, -1), _as_bytes(d).reshape(n, -1)], dim=-1)
+def dequantize(q: torch.Tensor, fields: list[torch.Tensor], kind: str) -> torch.Tensor:
+    """What quantize gives -> the weight [N, K] float32."""
+    return KINDS[kind].dequantize(q, fields)
 
 
-def dequantize(packed: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[N, K/32 * bytes] uint8 -> [N, K] float32."""
-    n = packed.shape[0]
-    nb = packed.shape[1] // BYTES_PER_BLOCK[fmt]
-    quant = 16 if fmt == "q4" else 32
-    d = packed[:, nb * quant : nb * (quant + 2)].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
-    if fmt == "q8":
-        q = packed[:, : nb * 32].contiguous().view(torch.int8).float().reshape(n, nb, 32)  # [N, nb, 32]
-        return (d * q).reshape(n, -1)
-    m = packed[:, nb * 18 :].contiguous().view(torch.float16).float().unsqueeze(-1)  # [N, nb, 1]
-    nib = packed[:, : nb * 16].reshape(n, nb, 16)  # [N, nb, 16]
-    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1).float()  # [N, nb, 32]
-    return (d * q + m).reshape(n, -1)
-
-
-def panel_count(n: int) -> int:
-    return -(-n // (PANEL * PANEL_GROUP)) * PANEL_GROUP
-
-
-def _fields(rows: torch.Tensor, fmt: str, nb: int):
-    """[R, nb * bytes] rows -> quants [R, nb, 32] (k order, unsigned nibbles or int8 bytes), scales (and
-    mins) [R, nb, 2] as bytes."""
-    r = rows.shape[0]
-    if fmt == "q8":
-        return rows[:, : nb * 32].reshape(r, nb, 32), [rows[:, nb * 32 :].reshape(r, nb, 2)]
-    nib = rows[:, : nb * 16].reshape(r, nb, 16)
-    q = torch.cat([nib & 0x0F, nib >> 4], dim=-1)  # [R, nb, 32]
-    return q, [rows[:, nb * 16 : nb * 18].reshape(r, nb, 2), rows[:, nb * 18 :].reshape(r, nb, 2)]
-
-
-def to_panels(rows: torch.Tensor, fmt: str) -> torch.Tensor:
-    """[N, K/32 * block bytes] uint8 rows (quantize_q4/q8) -> [P, K/32, 160 (q4) or 272 (q8)] uint8 panels."""
-    n, nb = rows.shape[0], rows.shape[1] // BYTES_PER_BLOCK[fmt]
-    p = panel_count(n)
-    padded = torch.zeros(p * PANEL, rows.shape[1], dtype=torch.uint8)
-    padded[:n] = rows
-    q, scales = _fields(padded, fmt, nb)
-    q = q.reshape(p, PANEL, nb, 16, 2)  # [P, f, nb, pair, e]
-    if fmt == "q4":  # pairs 2c and 2c + 1 share bytes: low and high nibble
-        q = q.reshape(p, PANEL, nb, 8, 2, 2)  # [P, f, nb, c, h, e]
-        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [P, f, nb, c, e]
-    quants = q.permute(0, 2, 3, 1, 4).reshape(p, nb, -1)  # [P, nb, pair (or c), f, e]
-    fields = [s.reshape(p, PANEL, nb, 2).permute(0, 2, 1, 3).reshape(p, nb, 2 * PANEL) for s in scales]
-    return torch.cat([quants, *fields], dim=-1).contiguous()
-
-
-def panel_rows(panels: torch.Tensor, fmt: str, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` [R] of a weight held as panels -> [R, K/32 * block bytes] uint8, as quantize_q4/q8 gives."""
-    nb, r = panels.shape[1], index.shape[0]
-    sel = panels.index_select(0, torch.div(index, PANEL, rounding_mode="floor"))  # [R, nb, panel bytes]
-    f = torch.remainder(index, PANEL)
-    quant_bytes = PANEL_QUANT_BYTES[fmt]
-    q = sel[:, :, :quant_bytes].reshape(r, nb, -1, PANEL, 2).permute(0, 3, 1, 2, 4)  # [R, f, nb, pair (or c), e]
-    q = q[torch.arange(r), f]  # [R, nb, pair (or c), e]
-    scales = sel[:, :, quant_bytes:].reshape(r, nb, -1, PANEL, 2).permute(0, 3, 2, 1, 4)[torch.arange(r), f]  # [R, fields, nb, 2]
-    if fmt == "q4":
-        q = torch.stack([q & 0x0F, q >> 4], dim=-2).reshape(r, nb, 32)  # [R, nb, c, h, e] -> k order
-        quants = q[..., :16] | (q[..., 16:] << 4)  # the row layout's nibbles: byte j = q[j] | q[j + 16] << 4
-    else:
-        quants = q.reshape(r, nb, 32)
-    return torch.cat([quants.reshape(r, -1), *[s.reshape(r, -1) for s in scales.unbind(1)]], dim=-1)
-
-
-def dequantize_panels(panels: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
-    """[P, nb, panel bytes] uint8 -> the weight [n, K] float32."""
-    return dequantize(panel_rows(panels, fmt, torch.arange(n)), fmt)
+def to_panels(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """[N, K] float -> its blocks of `kind` as panels [P, K/32, bytes] uint8."""
+    return pack(*quantize(w, kind), KINDS[kind])

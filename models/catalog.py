@@ -16,7 +16,7 @@ from kvcache.native import cache_root
 from .errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-DEFAULT_WEIGHTS = "auto"  # q4 where the AVX2 kernels build, else f16: chosen by measurement, see the README results
+DEFAULT_WEIGHTS = "auto"  # as stored where the AVX2 kernels build, else f16
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ class UnsupportedModel(ValueError):
     """The checkpoint asks for something this project does not implement; the message names it."""
 
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# ModelConfig.architecture: architectures.DECODERS builds each one's decoder
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral")
+# GGUF's general.architecture names; Mistral's files say "llama"
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class ModelConfig:
     max_context: int = 2048
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    # phi3: RoPE rotates only the first rope_dim dims of each q and k head (partial_rotary_factor * head_dim);
+    # None: every dim (see rotary_dim)
+    rope_dim: int | None = None
+    # smollm3: the ids of the layers that apply no RoPE (HF's no_rope_layers flags are 0 there)
+    layers_without_rope: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -59,6 +67,23 @@ class ModelConfig:
             raise UnsupportedModel(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.rope_scaling is not None and self.rope_scaling.kind not in ("linear", "llama3"):
             raise UnsupportedModel(f"unsupported rope scaling type {self.rope_scaling.kind!r}")
+        # each option is honoured by one decoder only: elsewhere it would be silently ignored
+        if self.rope_dim is not None:
+            if self.architecture != "phi3":
+                raise UnsupportedModel(f"partial RoPE (rope_dim {self.rope_dim} of head_dim {self.head_dim}) "
+                                       f"is implemented for phi3 only, not {self.architecture}")
+            if not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+                raise UnsupportedModel(f"rope_dim must be even and in (0, head_dim {self.head_dim}], got {self.rope_dim}")
+        if self.layers_without_rope:
+            if self.architecture != "smollm3":
+                raise UnsupportedModel(f"layers without RoPE are implemented for smollm3 only, not {self.architecture}")
+            if not all(0 <= i < self.n_layers for i in self.layers_without_rope):
+                raise UnsupportedModel(f"layers_without_rope {self.layers_without_rope} name layers past {self.n_layers}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q and k head RoPE rotates."""
+        return self.rope_dim if self.rope_dim is not None else self.head_dim
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -68,13 +93,16 @@ class ModelConfig:
         d = json.loads(text)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        for key in ("eos_ids", "rope_freq_factors"):
+        for key in ("eos_ids", "rope_freq_factors", "layers_without_rope"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         return ModelConfig(**d)
 
 
-HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
+}
 
 
 def _hf_rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -93,7 +121,47 @@ def _hf_rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             float(rs.get("high_freq_factor", 4.0)),
             int(rs.get("original_max_position_embeddings", 8192)),
         )
-    raise UnsupportedModel(f"unsupported rope scaling type {kind!r}")
+    raise UnsupportedModel(f"unsupported rope scaling type {kind!r} (config.json rope_scaling)")
+
+
+def _refuse_sliding_window(window, max_context: int, source: str) -> None:
+    """Sliding-window attention is not implemented: a window shorter than the context would change which
+    positions a token attends to, so refuse it; one at least as long as the context never bites."""
+    if window is not None and 0 < int(window) < max_context:
+        raise UnsupportedModel(f"{source} {window} is shorter than the context ({max_context}): sliding-window "
+                               "attention is not implemented yet")
+
+
+def _hf_sliding_window(cfg: dict[str, Any]):
+    """The window transformers applies to some layer, or None. Qwen2/3 and SmolLM3 apply theirs only where
+    layer_types says sliding_attention (or use_sliding_window, in older files); Mistral and Phi-3 wherever
+    sliding_window is set."""
+    if cfg.get("layer_types") is not None:
+        return cfg.get("sliding_window") if "sliding_attention" in cfg["layer_types"] else None
+    if "use_sliding_window" in cfg:
+        return cfg.get("sliding_window") if cfg["use_sliding_window"] else None
+    return cfg.get("sliding_window")
+
+
+def _hf_rope_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
+    """phi3's rotated dims per head: int(head_dim * partial_rotary_factor), as transformers' Phi3 rotary
+    takes it (from rope_parameters first, then the top level); None when that is the whole head."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    rope_dim = int(head_dim * factor)
+    return None if rope_dim == head_dim else rope_dim
+
+
+def _hf_layers_without_rope(cfg: dict[str, Any], n_layers: int) -> tuple[int, ...]:
+    """smollm3's no_rope_layers (a flag a layer, 1 = rotates) as the ids that do not rotate; a config
+    without the list gets transformers' default, every no_rope_layer_interval-th layer."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        interval = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if len(flags) != n_layers:
+        raise UnsupportedModel(f"no_rope_layers has {len(flags)} flags for {n_layers} layers")
+    return tuple(i for i, rotates in enumerate(flags) if not rotates)
 
 
 def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -106,15 +174,19 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
     theta, scaling = _hf_rope_scaling(cfg)
     n_heads = int(cfg["num_attention_heads"])
     dim = int(cfg["hidden_size"])
+    n_layers = int(cfg["num_hidden_layers"])
+    head_dim = int(cfg.get("head_dim") or dim // n_heads)
+    max_context = int(cfg.get("max_position_embeddings", 2048))
+    _refuse_sliding_window(_hf_sliding_window(cfg), max_context, "config.json sliding_window")
     eos = cfg.get("eos_token_id")
     eos = tuple(eos_ids) or (tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
     return ModelConfig(
         architecture=arch,
-        n_layers=int(cfg["num_hidden_layers"]),
+        n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        head_dim=int(cfg.get("head_dim") or dim // n_heads),
+        head_dim=head_dim,
         ffn_dim=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
         rope_theta=theta,
@@ -122,17 +194,19 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-        max_context=int(cfg.get("max_position_embeddings", 2048)),
+        max_context=max_context,
         bos_id=cfg.get("bos_token_id"),
         eos_ids=eos,
+        rope_dim=_hf_rope_dim(cfg, head_dim) if arch == "phi3" else None,
+        layers_without_rope=_hf_layers_without_rope(cfg, n_layers) if arch == "smollm3" else (),
     )
 
 
 def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs=None) -> ModelConfig:
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(
-            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
 
     def field(name, default=None):
@@ -149,14 +223,31 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         if kind != "linear":
             raise UnsupportedModel(f"unsupported rope scaling type {kind!r}")
         scaling = RopeScaling("linear", float(field("rope.scaling.factor")))
+    # llama.cpp's phi3 converter writes attn_factor only beside longrope's factor tensors
+    if meta.get(f"{arch}.rope.scaling.attn_factor") is not None:
+        raise UnsupportedModel(f"{arch}.rope.scaling.attn_factor: longrope RoPE scaling is not supported")
+    n_layers = int(field("block_count"))
+    max_context = int(field("context_length", 2048))
+    _refuse_sliding_window(meta.get(f"{arch}.attention.sliding_window"), max_context, f"{arch}.attention.sliding_window")
+    # rope.dimension_count is the rotated dims of a head: all of it but in phi3, whose head is dim / n_heads
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or (None if arch == "phi3" else rope_dims) or dim // n_heads)
+    rope_dim = None
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        if arch != "phi3":
+            raise UnsupportedModel(f"{arch}.rope.dimension_count {rope_dims} is not the head dim {head_dim}: "
+                                   f"partial RoPE is implemented for phi3 only")
+        rope_dim = int(rope_dims)
+    # llama.cpp's smollm3 has no metadata for its NoPE layers: it hard-codes every fourth (n_no_rope_layer_step)
+    without_rope = tuple(i for i in range(n_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else ()
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=arch,
-        n_layers=int(field("block_count")),
+        n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
         n_kv_heads=int(field("attention.head_count_kv", n_heads)),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or dim // n_heads),
+        head_dim=head_dim,
         ffn_dim=int(field("feed_forward_length")),
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
         rope_theta=float(field("rope.freq_base", 10000.0)),
@@ -165,9 +256,11 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=not has_output_weight,
         qkv_bias=arch == "qwen2",
-        max_context=int(field("context_length", 2048)),
+        max_context=max_context,
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_ids=(int(eos),) if eos is not None else (),
+        rope_dim=rope_dim,
+        layers_without_rope=without_rope,
     )
 
 

@@ -15,21 +15,25 @@ from typing import Callable
 
 import torch
 import torch.utils._pytree as pytree
+from torch import nn
 from safetensors.torch import load_file, save_file
 from torch.export import Dim
 
 from . import trust
 from .catalog import sha256_of
+from .architectures import build_decoder
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .fused import use_native_modules
 from .llama import Transformer
-from .quant import WEIGHT_MODES, convert_linears, model_kernels_available
+from .quant import (WEIGHT_MODES, EmbeddingBlocks, EmbeddingFloat, LinearBlocks, convert_linears, held_types,
+                    model_kernels_available)
+from .stored import StoredTensor
 from .tokenizer import TextTokenizer
 
-# 9: hidden rows as a second input and output; 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a
+# 10: weights as stored, panels of each block format; 9: hidden rows as a second input and output; 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a
 # layer; 5: panels at load)
-ARTIFACT_FORMAT = 9
+ARTIFACT_FORMAT = 10
 # The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
 # Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
 # far longer than the forward it describes; fx's source is readable, and runs as it was exported.
@@ -52,30 +56,73 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "f32"
     fingerprint: str = ""  # a hash of the artifact's program, weights, config and tokenizer: what its KV depends on
+    held: tuple[tuple[str, int], ...] = ()  # tensors by type, as held: (("Q4_K", 97), ("F32", 33), ...)
+    held_bytes: int = 0  # the weights' bytes in memory
+
+    def held_text(self) -> str:
+        return ", ".join(f"{n} {t}" for t, n in self.held) or self.weights
+
+    def quantization(self) -> str:
+        """The type most matrices are held in (what Ollama calls the quantization level)."""
+        return next((t for t, _ in self.held if t != "F32"), "F32" if self.held else self.weights.upper())
 
 
-def fuse_projections(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Checkpoint names (q/k/v_proj, gate/up_proj) -> the fused qkv_proj and gate_up_proj weights."""
+Weight = torch.Tensor | StoredTensor | tuple[StoredTensor, ...]
+
+
+def fuse_projections(state: dict[str, Weight], config: ModelConfig) -> dict[str, Weight]:
+    """Checkpoint names (q/k/v_proj, gate/up_proj) -> the fused qkv_proj and gate_up_proj weights: float
+    tensors concatenated, a file's tensors kept as the tuple of their parts."""
     state = dict(state)
+
+    def fused(parts):
+        if all(isinstance(p, torch.Tensor) for p in parts):
+            return torch.cat(parts)  # [rows of all parts, ...]
+        return tuple(q for p in parts for q in (p if isinstance(p, tuple) else (p,)))
+
     for i in range(config.n_layers):
         attn, mlp = f"layers.{i}.self_attn", f"layers.{i}.mlp"
         for kind in ("weight", "bias"):
             parts = [state.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
             if all(p is not None for p in parts):
-                state[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts)  # [(H_q + 2 H_kv) * D, ...]
+                state[f"{attn}.qkv_proj.{kind}"] = fused(parts)  # [(H_q + 2 H_kv) * D, ...]
         gate, up = state.pop(f"{mlp}.gate_proj.weight", None), state.pop(f"{mlp}.up_proj.weight", None)
         if gate is not None and up is not None:
-            state[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up])  # [2 * ffn, dim]
+            state[f"{mlp}.gate_up_proj.weight"] = fused([gate, up])  # [2 * ffn, dim]
     return state
 
 
-def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype, weights: str = "f32") -> Transformer:
-    """Construct on the meta device, then assign the loaded weights (no double allocation)."""
+def _shape(w: Weight) -> tuple[int, ...]:
+    if isinstance(w, tuple):
+        return (sum(p.shape[0] for p in w), *w[0].shape[1:])
+    return tuple(w.shape)
+
+
+def _as_tensor(w: Weight, keep_dtype: bool) -> torch.Tensor:
+    """A file's tensors as one float tensor: stored float dtype if `keep_dtype` and they share one, else float32."""
+    parts = w if isinstance(w, tuple) else (w,)
+    if not all(isinstance(p, StoredTensor) for p in parts):
+        return w
+    if keep_dtype and all(p.is_float for p in parts) and len({p.type for p in parts}) == 1:
+        return torch.cat([p.floats() for p in parts])
+    return torch.cat([p.dequantize() for p in parts])
+
+
+def _is_blocks(w: Weight) -> bool:
+    parts = w if isinstance(w, tuple) else (w,)
+    return all(isinstance(p, StoredTensor) and not p.is_float for p in parts)
+
+
+def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, weights: str = "f32") -> Transformer:
+    """Construct on the meta device, then assign the loaded weights (no double allocation). In the stored
+    mode a file's block-format matrices become panels of their own format, chunk by chunk; float ones keep
+    their dtype. Other modes read every weight as float32 first."""
     if weights not in WEIGHT_MODES:
         raise ModelLoadError(f"unsupported weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    stored = weights == "stored" and dtype == torch.float32
     state = fuse_projections(state, config)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = build_decoder(config)
     if config.tie_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
@@ -83,17 +130,39 @@ def build_model(config: ModelConfig, state: dict[str, torch.Tensor], dtype: torc
     if missing or extra:
         raise ModelLoadError(f"checkpoint does not fit the {config.architecture} model: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, tensor in model.state_dict().items():
-        if name in state and tuple(state[name].shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"weight {name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if config.tie_embeddings:
+        if name in state and _shape(state[name]) != tuple(tensor.shape):
+            raise ModelLoadError(f"weight {name} has shape {_shape(state[name])}, expected {tuple(tensor.shape)}")
+    blocks = {k: state.pop(k) for k in list(state) if stored and _is_blocks(state[k])}
+    state = {k: _as_tensor(v, stored) for k, v in state.items()}
+    state = {k: v if stored and v.dim() > 1 else v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    _assign_blocks(model, blocks, state, config.tie_embeddings)
+    if config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.embed_tokens.weight
+    if stored and isinstance(model.embed_tokens, nn.Embedding) and model.embed_tokens.weight.dtype != torch.float32:
+        model.embed_tokens = EmbeddingFloat(model.embed_tokens.weight)
     model.reset_constants()
-    convert_linears(model, weights)
-    # f32 stays the plain-torch reference, but for its linears; q4/q8 already required the kernels, f16 uses them if they build
+    convert_linears(model, weights if dtype == torch.float32 or weights != "stored" else "f32")
+    model.held = held_types(model)
+    model.held_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
+    # f32 stays the plain-torch reference, but for its linears; the others use the native ops if they build
     if weights != "f32" and dtype == torch.float32 and model_kernels_available():
         use_native_modules(model)
     return model.eval()
+
+
+def _assign_blocks(model: nn.Module, blocks: dict[str, Weight], state: dict[str, torch.Tensor], tied: bool) -> None:
+    """The block-format matrices, as panels: each projection a LinearBlocks, the embedding table rows of one."""
+    for key, w in blocks.items():
+        parts = list(w) if isinstance(w, tuple) else [w]
+        module = key.removesuffix(".weight")
+        linear = LinearBlocks.from_stored(parts, state.get(f"{module}.bias"))
+        if module == "embed_tokens":
+            if tied:
+                model.lm_head = linear
+            model.embed_tokens = EmbeddingBlocks(linear)
+        else:
+            model.set_submodule(module, linear)
 
 
 def export_program(model: Transformer) -> torch.export.ExportedProgram:
@@ -135,9 +204,8 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
     return torch.fx.GraphModule(root, graph)
 
 
-def save_artifact(
-    folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str, weights: str = "f32"
-) -> None:
+def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str,
+                  weights: str = "f32", held: tuple[tuple[str, int], ...] = (), held_bytes: int = 0) -> None:
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
@@ -160,7 +228,7 @@ def save_artifact(
     specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
     hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
     meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
-            "aliases": aliases, "sha256": hashes, **specs}
+            "aliases": aliases, "sha256": hashes, "held": [list(h) for h in held], "held_bytes": held_bytes, **specs}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():
         shutil.rmtree(folder)
@@ -197,7 +265,7 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
         trust.check(folder, meta.get("sha256", {}), (PROGRAM_FILE, WEIGHTS_FILE))
     # The program may call kvserve_native ops (q4 always does), which must exist before it is read.
     kernels = model_kernels_available()
-    if meta.get("weights") == "q4" and not kernels:
+    if meta.get("weights") not in ("f32", "f16") and not kernels:
         raise ModelLoadError(f"{folder}: a {meta['weights']} artifact needs the C++/AVX2 kernels, which are unavailable here")
     forward = _program(folder, meta)
     config = ModelConfig.from_json((folder / "config.json").read_text())
@@ -212,6 +280,8 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
         dtype=getattr(torch, meta["dtype"]),
         weights=meta.get("weights", "f32"),
         fingerprint=fingerprint(folder, hashes),
+        held=tuple((str(t), int(n)) for t, n in meta.get("held", [])),
+        held_bytes=int(meta.get("held_bytes", 0)),
     )
 
 

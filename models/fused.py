@@ -1,15 +1,15 @@
 """Native (C++/AVX2) stand-ins for the decoder's modules, swapped in for the fast weight modes.
 
-Each replaces a module of llama.py with kvserve_native ops computing the same float32 math, so a
-layer dispatches ~12 ops instead of ~45, and a q4 decoder one op a step for all its layers (at batch 1
-each dispatch rivals a small matmul).
+Each replaces a module of blocks.py with kvserve_native ops computing the same float32 math, so a
+layer dispatches ~12 ops instead of ~45, and a Llama decoder of block-format weights two a layer
+around its attention call (at batch 1 each dispatch rivals a small matmul).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from .llama import Block, Layers, QKVRotary, RMSNorm, SwiGLU
+from .llama import MLP, Attention, Block, Layers, QKVRotary, RMSNorm, SwiGLU
 from .quant import LinearBlocks
 
 
@@ -42,70 +42,95 @@ class NativeSwiGLU(nn.Module):
         return torch.ops.kvserve_native.silu_mul(gate_up)
 
 
-class NativeDecoder(nn.Module):
-    """The decoder's Layers, every projection q4: one kvserve_native::decoder_q4 call a step, which runs
-    each layer's attention through kvcache::update_and_attend (models/kernels/block.cpp)."""
+class NativeLayers(nn.Module):
+    """The decoder's Layers, every projection block-format (any kinds, one or more parts each): two native
+    ops around each attention call, so the graph still calls kvcache::update_and_attend once a layer.
 
-    KINDS = ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")  # the order decoder_q4 takes them
+        q, k, v = layer_head(x)                                   norm, qkv, bias, RoPE of layer 0
+        for each layer l:
+            a = kvcache::update_and_attend(q, k, v, positions, l)
+            x, q, k, v = layer_between(x, a)                      tail of l (o, residual, norm, SwiGLU,
+                                                                  residual), then the head of l + 1
+        (the last layer ends with layer_tail)
+    One native call between two attention calls: each call from the graph costs as much as a small matmul
+    at batch 1, and the parts of a block do nothing the cache needs to see (models/kernels/block.cpp)."""
 
     def __init__(self, layers: Layers) -> None:
         super().__init__()
-        first = layers[0]
-        self.head_dim = first.self_attn.head_dim
-        self.n_heads, self.n_kv_heads = first.self_attn.rotary.n_heads, first.self_attn.rotary.n_kv_heads
-        self.eps = first.input_layernorm.eps
-        # Each kind's weights of every layer as one buffer [L, ...] (export lifts it, the artifact stores it
-        # once): the op takes six tensors a step, not six a layer. A list of 180 cost more to hand over
-        # than the call's own work, and each tensor released after it took the GIL back once.
-        per_layer = []
-        for i, b in enumerate(layers):
-            assert b.self_attn.layer_id == i, "layers run in the order of their ids"
-            attn, mlp = b.self_attn, b.mlp
-            per_layer.append((b.input_layernorm.weight, attn.qkv_proj.packed, attn.o_proj.packed,
-                              b.post_attention_layernorm.weight, mlp.gate_up_proj.packed, mlp.down_proj.packed))
-        for kind, tensors in zip(self.KINDS, zip(*per_layer)):
-            self.register_buffer(kind, torch.stack([t.detach() for t in tensors]))
-        biases = [b.self_attn.qkv_proj.bias for b in layers]
-        self.register_buffer("qkv_bias", None if biases[0] is None else torch.stack([b.detach() for b in biases]))
+        self.blocks = layers
+        first = layers[0].self_attn
+        self.n_heads, self.n_kv_heads, self.head_dim = first.rotary.n_heads, first.rotary.n_kv_heads, first.head_dim
+        self.eps = layers[0].input_layernorm.eps
+
+    @staticmethod
+    def is_llama_block(block: nn.Module) -> bool:
+        """A block computing exactly what the native ops do: the shared Block, Attention (rotating all of each
+        head), QKVRotary and MLP as they are. Not a subclass, nor a block with another attention or rotary:
+        qwen3's q/k norms, smollm3's NoPE layers and phi3's partial RoPE compute something else."""
+        return (type(block) is Block and type(block.self_attn) is Attention
+                and type(getattr(block.self_attn, "rotary", None)) is QKVRotary and type(block.mlp) is MLP)
 
     @staticmethod
     def fits(layers: nn.Module) -> bool:
-        """Layers whose blocks are alike: q4 projections, the attention's without bias but for qkv (in all
-        or none), one norm eps."""
-        if not isinstance(layers, Layers) or len(layers) == 0 or not all(isinstance(b, Block) for b in layers):
+        """Llama blocks whose projections are all LinearBlocks (any kinds), the attention's without bias but
+        for qkv, one norm eps and one head layout."""
+        if not isinstance(layers, Layers) or len(layers) == 0:
             return False
         first = layers[0]
-        eps, heads = first.input_layernorm.eps, (first.self_attn.rotary.n_heads, first.self_attn.rotary.n_kv_heads)
-        biased = first.self_attn.qkv_proj.bias is not None
-        for block in layers:
+        for i, block in enumerate(layers):
+            if not NativeLayers.is_llama_block(block):
+                return False
             attn, mlp = block.self_attn, block.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not (all(isinstance(m, LinearBlocks) and m.fmt == "q4" for m in linears)
-                    and all(m.bias is None for m in linears[1:]) and (attn.qkv_proj.bias is not None) == biased
-                    and block.input_layernorm.eps == block.post_attention_layernorm.eps == eps
-                    and (attn.rotary.n_heads, attn.rotary.n_kv_heads) == heads and attn.head_dim == first.self_attn.head_dim):
+            if not (attn.layer_id == i and all(isinstance(m, LinearBlocks) for m in linears)
+                    and all(m.bias is None for m in linears[1:])
+                    and block.input_layernorm.eps == block.post_attention_layernorm.eps == first.input_layernorm.eps
+                    and (attn.rotary.n_heads, attn.rotary.n_kv_heads, attn.head_dim)
+                    == (first.self_attn.rotary.n_heads, first.self_attn.rotary.n_kv_heads, first.self_attn.head_dim)):
                 return False
         return True
 
+    @staticmethod
+    def _parts(linear: LinearBlocks) -> tuple:
+        return linear.panels(), list(linear.ns), list(linear.kind_ids)
+
+    def _head(self, block: Block) -> tuple:
+        attn = block.self_attn
+        return (block.input_layernorm.weight, *self._parts(attn.qkv_proj), attn.qkv_proj.bias)
+
+    def _tail(self, block: Block) -> tuple:
+        mlp = block.mlp
+        return (*self._parts(block.self_attn.o_proj), block.post_attention_layernorm.weight, *self._parts(mlp.gate_up_proj),
+                *self._parts(mlp.down_proj))
+
     def forward(self, x, positions, cos, sin):
-        return torch.ops.kvserve_native.decoder_q4(
-            x, positions, cos, sin, *(getattr(self, kind) for kind in self.KINDS), self.qkv_bias,
-            self.n_heads, self.n_kv_heads, self.eps, self.head_dim**-0.5,
-        )
+        ops, heads = torch.ops.kvserve_native, (self.n_heads, self.n_kv_heads)
+        blocks = list(self.blocks)
+        q, k, v = ops.layer_head(x, *self._head(blocks[0]), cos, sin, *heads, self.eps)  # [1, H, n, D] each
+        for i, block in enumerate(blocks):
+            a = torch.ops.kvcache.update_and_attend(q, k, v, positions, i, self.head_dim**-0.5, x.dtype)  # [1, Hq, n, Dv]
+            if i + 1 < len(blocks):
+                x, q, k, v = ops.layer_between(x, a, *self._tail(block), *self._head(blocks[i + 1]), cos, sin, *heads, self.eps)
+            else:
+                x = ops.layer_tail(x, a, *self._tail(block), self.eps)  # [1, n, C]
+        return x
 
 
+# by exact type: a module of another class (phi3's PartialQKVRotary, smollm3's UnrotatedQKV) computes other
+# math and keeps its own forward. RMSNorm holds anywhere, qwen3's q/k heads [1, H, n, D] included: the op
+# normalises the last dim of a tensor of any shape.
 _NATIVE = {RMSNorm: NativeRMSNorm, QKVRotary: NativeQKVRotary, SwiGLU: lambda _: NativeSwiGLU()}
 
 
 def use_native_modules(model: nn.Module) -> nn.Module:
-    """Swap q4 Layers for NativeDecoder, and elsewhere RMSNorm, QKVRotary and SwiGLU for their native ops
+    """Swap block-format Llama Layers for NativeLayers, and elsewhere RMSNorm, QKVRotary and SwiGLU for their native ops
     (float32 models; kernels loaded)."""
     swapped: list[str] = []
     for name, child in list(model.named_modules()):
         if not name or any(name.startswith(prefix + ".") for prefix in swapped):
             continue
-        if NativeDecoder.fits(child):
-            model.set_submodule(name, NativeDecoder(child))
+        if NativeLayers.fits(child):
+            model.set_submodule(name, NativeLayers(child))
             swapped.append(name)
         elif (native := _NATIVE.get(type(child))) is not None:
             model.set_submodule(name, native(child))

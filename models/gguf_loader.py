@@ -1,32 +1,19 @@
-"""Read a GGUF file: metadata, dequantized weights (in our names), tokenizer and chat template."""
+"""Read a GGUF file: metadata, its weights as stored (in our names), tokenizer and chat template."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
+from .architectures import GGUF_PERMUTED_QK, GGUF_REFUSED_TENSORS, gguf_layer_names
 from .config import UnsupportedModel, from_gguf_metadata
 from .errors import ModelLoadError
+from .stored import StoredTensor
 from .tokenizer import TextTokenizer, TokenizerMeta, byte_level_bpe_from_gguf
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
@@ -54,13 +41,15 @@ def _metadata(reader) -> dict[str, Any]:
     return meta
 
 
-def our_name(gguf_name: str) -> str:
+def our_name(gguf_name: str, arch: str) -> str:
+    if gguf_name in GGUF_REFUSED_TENSORS:
+        raise UnsupportedModel(f"GGUF tensor {gguf_name}: {GGUF_REFUSED_TENSORS[gguf_name]}")
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"unsupported GGUF tensor {gguf_name!r}")
+    m, names = _BLOCK.fullmatch(gguf_name), gguf_layer_names(arch)
+    if m and m.group(2) in names:
+        return f"layers.{m.group(1)}.{names[m.group(2)]}"
+    raise UnsupportedModel(f"unsupported GGUF tensor {gguf_name!r} for the {arch} architecture")
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -70,34 +59,38 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = False):
-    """-> (ModelConfig, state dict in our names, TextTokenizer)."""
-    import gguf
-
+    """-> (ModelConfig, state in our names, TextTokenizer). Matrices stay in the file, as StoredTensors;
+    vectors (norms, biases) are read as float32."""
     path = Path(path)
     reader = _reader(path)
     meta = _metadata(reader)
-    names = {t.name for t in reader.tensors}
-    rope_freqs = None
-    if "rope_freqs.weight" in names:
-        rope_freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data.tolist()
-    config = from_gguf_metadata(meta, has_output_weight="output.weight" in names, rope_freqs=rope_freqs)
+    tensors = {t.name: t for t in reader.tensors}
     size = path.stat().st_size
-    state: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress):
-        if t.name == "rope_freqs.weight":
-            continue
+    for t in reader.tensors:
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"{path}: truncated (tensor {t.name} ends past the end of the file)")
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except NotImplementedError:
-            raise UnsupportedModel(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from None
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
-        name = our_name(t.name)
-        if config.architecture == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
-            heads = config.n_heads if ".attn_q." in t.name else config.n_kv_heads
-            w = unpermute_qk(w, heads)
-        state[name] = w.to(dtype) if w.dim() > 1 else w
+
+    def stored(t, heads: int = 0) -> StoredTensor:
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists the row length first
+        return StoredTensor(t.name, path, int(t.data_offset), t.tensor_type.name, shape, heads)
+
+    rope_freqs = None
+    if "rope_freqs.weight" in tensors:
+        rope_freqs = stored(tensors.pop("rope_freqs.weight")).floats().tolist()
+    config = from_gguf_metadata(meta, has_output_weight="output.weight" in tensors, rope_freqs=rope_freqs)
+    state: dict[str, torch.Tensor | StoredTensor] = {}
+    for t in tqdm(tensors.values(), desc="reading", unit="tensor", disable=not progress):
+        name = our_name(t.name, config.architecture)
+        kind = t.name.split(".")[-2]
+        heads = 0
+        if config.architecture in GGUF_PERMUTED_QK and kind in ("attn_q", "attn_k"):
+            heads = config.n_heads if kind == "attn_q" else config.n_kv_heads
+        w = stored(t, heads if len(t.shape) > 1 else 0)
+        if len(w.shape) == 1:  # a norm or a bias: small, read now
+            v = w.floats().float() if w.is_float else w.dequantize()
+            state[name] = unpermute_qk(v, heads) if heads else v
+        else:
+            state[name] = w
     tokenizer = TextTokenizer(byte_level_bpe_from_gguf(meta), _tokenizer_meta(meta))
     return config, state, tokenizer
 

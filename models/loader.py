@@ -15,16 +15,19 @@ from .errors import ModelLoadError
 from .export import LoadedModel, build_model, export_program, is_artifact, load_artifact, save_artifact
 from .gguf_loader import read_gguf
 from .hf_loader import read_hf
-from .quant import model_kernels_available
+from .quant import REQUANTIZE, model_kernels_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_weights(weights: str) -> str:
-    """"auto" -> the fastest mode this machine runs: q4 needs AVX2 and a C++ compiler, else f16."""
+    """"auto" -> the weights as stored, which needs the kernels (AVX2 and a C++ compiler); else f16."""
     if weights != "auto":
         return weights
-    return "q4" if model_kernels_available() else "f16"
+    if model_kernels_available():
+        return "stored"
+    print("the block-format kernels are unavailable here: requantizing the weights to f16", file=sys.stderr)
+    return "f16"
 
 
 def resolve(spec: str) -> Path:
@@ -46,14 +49,16 @@ def read_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
 
 
 def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False, weights: str = "f32"):
-    """-> (exported program, config, tokenizer) for a .gguf file or HF folder."""
+    """-> (exported program, config, tokenizer, (held types, held bytes)) for a .gguf file or HF folder."""
     config, state, tokenizer = read_checkpoint(path, dtype, progress)
+    if weights in REQUANTIZE or (weights in ("f16", "f32") and path.is_file()):
+        print(f"{path.name}: converting every weight to {weights}, as --weights asks (auto serves them as stored)", file=sys.stderr)
     with tqdm(total=2, desc="exporting", disable=not progress, unit="stage") as bar:
         model = build_model(config, state, dtype, weights)
         bar.update()
         program = export_program(model)
         bar.update()
-    return program, config, tokenizer
+    return program, config, tokenizer, (model.held, model.held_bytes)
 
 
 def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
@@ -89,11 +94,11 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
         except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
             print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()
-    program, config, tokenizer = export_checkpoint(path, torch_dtype, progress, weights)
+    program, config, tokenizer, held = export_checkpoint(path, torch_dtype, progress, weights)
     if use_cache:
-        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights)
+        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0], held_bytes=held[1])
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
     forward = export_mod.runnable_module(program)
     return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights,
-                       fingerprint=export_mod.fingerprint(cached) if use_cache else "")
+                       fingerprint=export_mod.fingerprint(cached) if use_cache else "", held=held[0], held_bytes=held[1])

@@ -1,21 +1,17 @@
-"""Weight modes: how each nn.Linear of a built model stores its weight and which kernel multiplies it.
+"""Weight modes: how each nn.Linear of a built model holds its weight, and which kernel multiplies it.
 
-    f32  float32 weights, multiplied by kernels/linear_f32.cpp (kvserve_native::linear_f32), whose every
-         output sums in one order whatever the batch (nn.Linear's BLAS does not; it stays where the
-         AVX2 kernels do not build); the reference, parity-tested against transformers
-    f16  float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
-    q4   Q4_1 blocks for the decoder layers, Q8_0 for the lm_head (what llama.cpp's Q4_1 files hold),
-         held as panels of 8 features (block_quant.py) and multiplied by the AVX2 kernel of
-         kernels/quant_matmul.cpp (kvserve_native::linear_q4/q8, int16 activations) at every row count.
-         The panels are the only copy of a weight. A tied embedding table then reads its rows from the
-         lm_head's blocks (EmbeddingBlocks) when they hold it exactly, as a GGUF's Q8_0 token_embd does,
-         so the table is not held twice either.
-Everything a weight mode derives from a weight (fbgemm's packing) is held by the model, so it is freed
-with the model: two engines in one process each hold their own.
-Fewer bytes per weight and integer dot products are the levers at small batch. A GGUF's own Q4_1 and
-Q8_0 weights requantize to the same blocks, so q4 on such a file loses nothing over f32. (A q8 mode
-was measured and dropped: requantizing Q4_1 weights to Q8_0 rounds them again, and it flipped 40% of
-greedy tokens on the default model while reading more bytes than q4.)
+    stored  (--weights auto) every weight as its file stores it: a GGUF's block formats as panels
+            (formats/), each multiplied by its own kernel of kernels/quant_matmul.cpp
+            (kvserve_native::linear_blocks, int16 activations); float weights by the float kernels
+    f32     float32 weights, kernels/linear_f32.cpp (kvserve_native::linear_f32), whose every output
+            sums in one order whatever the batch (nn.Linear's BLAS does not); the reference
+    f16     float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
+    q4, q4_0, q8_0   requantized when asked: Q4_1 (Q8_0 for the lm_head), Q4_0 (Q8_0 for the lm_head)
+            or Q8_0 blocks, from the weights as float32
+A projection whose parts a file holds in different formats (a Q4_K_M's q, k and v) is one module of
+several parts, one op. A tied embedding reads its rows from the lm_head's panels (EmbeddingBlocks), so
+the table is held once. Everything a weight mode derives from a weight (fbgemm's packing) is held by the
+model, so it is freed with the model: two engines in one process each hold their own.
 
 Op contract, kvserve::linear_f16(x, weight, bias):
     x [..., K] float32, weight [N, K] float16, bias [N] float32 or None -> [..., N] float32
@@ -29,10 +25,14 @@ from torch import nn
 
 from kvcache.native import NativeUnavailable, load_native
 
-from .block_quant import BLOCK, dequantize_panels, quantize_q4, quantize_q8, to_panels
+from .block_quant import BLOCK, to_panels
 from .errors import ModelLoadError
+from .formats import FORMATS
+from .formats.panels import KINDS, PANEL, PANEL_GROUP
+from .stored import StoredTensor
 
-WEIGHT_MODES = ("f32", "f16", "q4")
+WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
+REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp")]
 
 
@@ -63,7 +63,7 @@ def load_model_kernels() -> None:
     try:
         load_native("kvserve_models", _KERNELS)
     except NativeUnavailable as e:
-        raise ModelLoadError(f"the q4 weight mode is unavailable here ({e}); use --weights f16 or f32") from None
+        raise ModelLoadError(f"the block-format kernels are unavailable here ({e}); use --weights f16 or f32") from None
 
 
 def model_kernels_available() -> bool:
@@ -74,13 +74,19 @@ def model_kernels_available() -> bool:
         return False
 
 
+def _bias(linear: nn.Linear | None) -> nn.Parameter | None:
+    if linear is None or linear.bias is None:
+        return None
+    return nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+
+
 class LinearF16(nn.Module):
     """Drop-in for nn.Linear holding float16 weights."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.register_buffer("weight", linear.weight.detach().to(torch.float16))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.kvserve.linear_f16(x, self.weight, self.bias)
@@ -92,72 +98,161 @@ class LinearF32(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.bias = _bias(linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.kvserve_native.linear_f32(x, self.weight)  # [..., N]
         return out if self.bias is None else out + self.bias
 
 
-class LinearBlocks(nn.Module):
-    """Drop-in for nn.Linear holding Q4_1 or Q8_0 blocks, as panels."""
+class LinearBF16(nn.Module):
+    """Drop-in for nn.Linear holding bfloat16 weights as stored (kernels/linear_f32.cpp)."""
 
-    def __init__(self, linear: nn.Linear, fmt: str) -> None:
+    def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
-        self.fmt, self.out_features = fmt, linear.out_features
-        quantize = quantize_q4 if fmt == "q4" else quantize_q8
-        self.register_buffer("packed", to_panels(quantize(linear.weight.detach()), fmt))  # [P, K/32, panel bytes] uint8
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16))
+        self.bias = _bias(linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.kvserve_native.linear_bf16(x, self.weight)  # [..., N]
+        return out if self.bias is None else out + self.bias
+
+
+class LinearBlocks(nn.Module):
+    """Drop-in for nn.Linear holding block-format weights as panels: one or more parts, each of its own
+    kind and rows, whose outputs sit side by side."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, str, int]], bias: torch.Tensor | None = None,
+                 sources: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.kinds = tuple(kind for _, kind, _ in parts)
+        self.ns = tuple(n for _, _, n in parts)
+        self.kind_ids = tuple(KINDS[kind].id for kind in self.kinds)
+        self.out_features = sum(self.ns)
+        self.sources = sources  # the file's type of each tensor this projection holds
+        for i, (panels, _, _) in enumerate(parts):
+            self.register_buffer("packed" if i == 0 else f"packed_{i}", panels)  # [P, K/qk, panel bytes] uint8
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def fmt(self) -> str:
+        """The kind of a one-part projection (mixed ones are "mixed")."""
+        return self.kinds[0] if len(self.kinds) == 1 else "mixed"
+
+    def panels(self) -> list[torch.Tensor]:
+        return [getattr(self, "packed" if i == 0 else f"packed_{i}") for i in range(len(self.kinds))]
+
+    @staticmethod
+    def quantized(linear: nn.Linear, kind: str) -> LinearBlocks:
+        """An nn.Linear's weight requantized to `kind` (q4, q4_0, q8)."""
+        name = {"q4": "Q4_1", "q4_0": "Q4_0", "q8": "Q8_0"}[kind]
+        return LinearBlocks([(to_panels(linear.weight.detach(), kind), kind, linear.out_features)], linear.bias, (name,))
+
+    @staticmethod
+    def from_stored(tensors: list[StoredTensor], bias: torch.Tensor | None) -> LinearBlocks:
+        """Tensors of a GGUF, stacked by rows -> their panels, as stored. Neighbours of one format whose
+        rows fill whole panel groups share one part."""
+        parts: list[tuple[torch.Tensor, str, int]] = []
+        for t in tensors:
+            t.check_type()
+            kind = FORMATS[t.type].kind_name
+            panels = t.panels()
+            if parts and parts[-1][1] == kind and parts[-1][2] % (PANEL * PANEL_GROUP) == 0:
+                prev, _, n = parts.pop()
+                panels, rows = torch.cat([prev, panels]), n + t.rows
+            else:
+                rows = t.rows
+            parts.append((panels, kind, rows))
+        return LinearBlocks(parts, bias, tuple(t.type for t in tensors))
 
     def weight(self) -> torch.Tensor:
         """The weight these blocks hold, [N, K] float32."""
-        return dequantize_panels(self.packed, self.fmt, self.out_features)
+        return torch.cat([torch.ops.kvserve_native.rows_blocks(p, torch.arange(n), KINDS[k].id)
+                          for p, k, n in zip(self.panels(), self.kinds, self.ns)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = torch.ops.kvserve_native.linear_q4 if self.fmt == "q4" else torch.ops.kvserve_native.linear_q8
-        out = op(x, self.packed, self.out_features)  # [..., N]
+        out = torch.ops.kvserve_native.linear_blocks(x, self.panels(), self.ns, self.kind_ids)  # [..., N]
         return out if self.bias is None else out + self.bias
 
 
 class EmbeddingBlocks(nn.Module):
-    """Drop-in for a tied nn.Embedding that reads its rows from the lm_head's Q8_0 blocks: the table is
-    held once. Used only where those blocks dequantize to the table exactly (a GGUF's Q8_0 token_embd)."""
+    """Drop-in for nn.Embedding that reads its rows from a one-part LinearBlocks' panels: a tied table
+    is held once, and an untied one as stored."""
 
-    def __init__(self, head: LinearBlocks) -> None:
+    def __init__(self, table: LinearBlocks) -> None:
         super().__init__()
-        self.register_buffer("packed", head.packed)  # the head's own tensor, not a copy
+        assert len(table.kinds) == 1, "an embedding table is one tensor"
+        self.kind_id = table.kind_ids[0]
+        self.sources = table.sources
+        self.register_buffer("packed", table.packed)  # the table's own tensor, not a copy
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [1, n] int64 -> [1, n, dim] float32."""
-        return torch.ops.kvserve_native.rows_q8(self.packed, tokens.reshape(-1)).unsqueeze(0)
+        return torch.ops.kvserve_native.rows_blocks(self.packed, tokens.reshape(-1), self.kind_id).unsqueeze(0)
+
+
+class EmbeddingFloat(nn.Module):
+    """Drop-in for nn.Embedding over a float16 or bfloat16 table, as stored: rows widen to float32 as read."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.detach())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(tokens, self.weight).float()  # [1, n, dim]
+
+
+def held_types(model: nn.Module) -> tuple[tuple[str, int], ...]:
+    """What a built model holds, by tensor type: the file's type of each matrix it keeps as blocks, the
+    dtype of each float tensor, most first."""
+    counts: dict[str, int] = {}
+    tables = {m.packed.data_ptr(): m.sources for m in model.modules() if isinstance(m, (LinearBlocks, EmbeddingBlocks))}
+    names = [t for sources in tables.values() for t in sources]  # a tied table once, with its lm_head
+    seen = set(tables)
+    for t in model.state_dict(keep_vars=True).values():
+        if t is not None and t.is_floating_point() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            names.append({torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(t.dtype, str(t.dtype)))
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def share_tied_table(model: nn.Module) -> None:
-    """A tied embedding whose lm_head became Q8_0 blocks holding it exactly reads those blocks instead of
-    keeping its float32 copy of the same weights."""
+    """A tied embedding whose lm_head became one-part blocks holding it exactly reads those blocks instead
+    of keeping its float32 copy of the same weights."""
     head, table = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if not (isinstance(head, LinearBlocks) and head.fmt == "q8" and isinstance(table, nn.Embedding)):
+    if not (isinstance(head, LinearBlocks) and len(head.kinds) == 1 and isinstance(table, nn.Embedding)):
         return
     if table.weight.dtype == torch.float32 and torch.equal(head.weight(), table.weight.detach()):
         model.embed_tokens = EmbeddingBlocks(head)
 
 
+def _float_module(linear: nn.Linear) -> nn.Module:
+    """A float weight as it is: float32, float16 or bfloat16."""
+    kind = {torch.float16: LinearF16, torch.bfloat16: LinearBF16}.get(linear.weight.dtype, LinearF32)
+    return kind(linear)
+
+
 def convert_linears(model: nn.Module, weights: str) -> nn.Module:
-    """Swap every nn.Linear for the weight mode's module (a tied lm_head gets its own copy)."""
-    if weights == "f32" and not model_kernels_available():
+    """Swap every float nn.Linear for the weight mode's module (a tied lm_head gets its own copy)."""
+    if weights in ("f32", "stored") and not model_kernels_available():
         return model
-    if weights in ("q4", "f32"):
+    if weights != "f16":
         load_model_kernels()
     for name, child in list(model.named_modules()):
         if not isinstance(child, nn.Linear):
             continue
-        if weights == "f32":
+        if weights == "stored":
+            model.set_submodule(name, _float_module(child))
+        elif weights == "f32":
             if child.weight.dtype == torch.float32:  # bfloat16 activations keep nn.Linear
                 model.set_submodule(name, LinearF32(child))
         elif weights == "f16":
             model.set_submodule(name, LinearF16(child))
         elif child.in_features % BLOCK == 0:  # rows must be whole blocks; others stay float32
-            model.set_submodule(name, LinearBlocks(child, "q8" if name.split(".")[-1] == "lm_head" else "q4"))
-    if weights == "q4" and getattr(getattr(model, "config", None), "tie_embeddings", False):
+            layers, head = REQUANTIZE[weights]
+            model.set_submodule(name, LinearBlocks.quantized(child, head if name.split(".")[-1] == "lm_head" else layers))
+    if weights in REQUANTIZE and getattr(getattr(model, "config", None), "tie_embeddings", False):
         share_tied_table(model)
     return model

@@ -28,8 +28,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file, HF folder or exported artifact folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
     p.add_argument("--weights", default=DEFAULT_WEIGHTS, choices=["auto", *WEIGHT_MODES],
-                   help="auto: q4 where the AVX2 kernels build, else f16; f32: exact; f16: fp16 weights; q4: Q4_1 blocks (a Q4_1 GGUF's own, so lossless there) "
-                        "with AVX2 integer kernels (fastest)")
+                   help="auto: every weight as its file stores it (GGUF's block formats, F16, BF16, F32), each with its own "
+                        "AVX2 kernel; where the kernels cannot build, f16. Requantizing only when asked: f32 (the exact "
+                        "reference), f16, q4 (Q4_1), q4_0, q8_0")
     p.add_argument("--trust-artifact", action="store_true",
                    help="run an artifact folder's program.py although kvserve did not export it here (it is code)")
 
@@ -154,7 +155,7 @@ def cmd_kernels(args) -> int:
 
     models_ok = model_kernels_available()
     attention_ok = REGISTRY.native_attention()
-    print(f"model kernels (q4 weights, fused ops): {'ready' if models_ok else 'unavailable'}; "
+    print(f"model kernels (block formats, fused ops): {'ready' if models_ok else 'unavailable'}; "
           f"span attention: {'ready' if attention_ok else 'unavailable'}")
     return 0 if models_ok and attention_ok else 1
 
@@ -165,8 +166,9 @@ def cmd_export(args) -> int:
 
     start = time.time()
     weights = resolve_weights(args.weights)
-    program, config, tokenizer = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=weights)
-    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=weights)
+    program, config, tokenizer, held = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=weights)
+    save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=weights,
+                  held=held[0], held_bytes=held[1])
     print(f"exported {args.model} to {args.out} in {time.time() - start:.1f}s", file=sys.stderr)
     return 0
 
@@ -229,8 +231,8 @@ def cmd_serve(args) -> int:
                                  allowed_origins=origin_list(args.allowed_origins or ()), host=args.host,
                                  allowed_hosts=origin_list(args.allowed_hosts or ()), admin_key=args.admin_key)
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
-    log.info("loaded model %s (%s, %d layers, context %d) in %.1fs", name, args.dtype, model.config.n_layers,
-             model.config.max_context, time.time() - start)
+    log.info("loaded model %s (%s, %d layers, context %d; weights %s: %s) in %.1fs", name, model.config.architecture,
+             model.config.n_layers, model.config.max_context, model.weights, model.held_text(), time.time() - start)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, header_timeout=server_config.header_timeout,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             engine, args.shutdown_timeout)

@@ -1,7 +1,7 @@
 // The panel tile of quant_matmul.cpp, included there twice: for AVX2, and for CPUs with AVX512-VNNI,
 // where one vpdpwssd does a multiply-add and its accumulation (KVSERVE_DOT2 says which). The integer sums
 // are exact either way, so both give bitwise the same outputs. The includer defines the formats, GROUP,
-// PANEL, QK and TileFn, and wraps this in a namespace of its own.
+// PANEL and TileFn, and wraps this in a namespace of its own.
 
 // KVSERVE_DOT2(sum, lo, x0, hi, x1): sum + lo . x0 + hi . x1, in int32 lanes.
 #ifndef KVSERVE_DOT2
@@ -28,9 +28,9 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
       for (int c = 0; c < C; ++c) sum[r][c] = _mm256_setzero_si256();
     const uint8_t* qb = q + b * F::bytes;
     const int32_t* xb[R];  // each row's block as k pairs
-    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * QK);
+    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
 #pragma GCC unroll 2
-    for (int64_t j = 0; j < QK / 4; ++j) {
+    for (int64_t j = 0; j < F::qk / 4; ++j) {
       __m256i lo[C], hi[C];
       for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {

@@ -1,13 +1,13 @@
-// Weight-only quantized linear layers for AVX2 CPUs, on llama.cpp's Q4_1 and Q8_0 blocks held as panels.
+// Weight-only quantized linear layers for AVX2 CPUs, on GGUF's block formats held as panels.
 //
 // Op contracts (registered as kvserve_native::*):
-//   linear_q4(x [..., K] f32, w [P, K/32, 160] u8, n) -> [..., n] f32
-//   linear_q8(x [..., K] f32, w [P, K/32, 272] u8, n) -> [..., n] f32
-//       w is the n-row weight as panels (models/block_quant.py, to_panels): panel p holds rows 8p..8p+7,
-//       and its block b their block b of 32 weights, the quants by pairs of k, feature beside feature,
-//       then 8 fp16 scales d (then 8 fp16 mins m); w = d*q (+ m). P = n/8 rounded up to an even count.
-//   rows_q8(w [P, K/32, 272] u8, index [R] i64) -> [R, K] f32: rows `index` of that weight, dequantized
-//       (a tied embedding's lookup), each weight d*q exactly as torch computes it
+//   linear_blocks(x [..., K] f32, ws [w_i], ns [n_i], kinds [kind_i]) -> [..., sum n_i] f32
+//       each w_i the n_i-row weight as panels of its kind (panel_formats.h; models/formats/panels.py
+//       writes them): panel p holds rows 8p..8p+7, and its block b their block b, the quants by pairs of
+//       k, feature beside feature, then the 8 features' fields. P = n/8 rounded up to an even count.
+//       The parts' outputs sit side by side, in order.
+//   rows_blocks(w, index [R] i64, kind) -> [R, K] f32: rows `index` of that weight, dequantized (an
+//       embedding's lookup), each weight scale*q + min
 // Why this layout: vpmaddwd does 16 multiply-adds an instruction, two a cycle on Zen 3, and one extending
 // load of a panel gives two k of its 8 features as int16, which a broadcast pair of activations multiplies
 // whole. The panels hold the same bytes per weight as the row blocks, so one copy serves both loads: at
@@ -24,8 +24,10 @@
 #include <torch/library.h>
 #include <immintrin.h>
 #include "simd.h"
+#include "panel_formats.h"
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -49,25 +51,27 @@ constexpr int64_t UNPACK_ROWS = 16;
 // pays for itself from fewer rows, as its tile does twice the multiply-adds an instruction.
 constexpr int64_t WIDE_FROM_ROWS = 8;
 
-// Activation rows quantized per block of 32 to int16 (scale d = amax/32767; s = d * sum(q), which
-// Q4_1's min term needs).
+// Activation rows quantized per block of qk (32, or 16 for Q6_K) to int16 (scale d = amax/32767;
+// s = d * sum(q), which a format's min term needs).
 struct QuantizedRows {
   const int16_t* q;    // [M, K]
-  const float *d, *s;  // [M, K/32] each
+  const float *d, *s;  // [M, K/qk] each
 };
 
+template <int64_t QKB>
 inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+  constexpr int V = QKB / 8;
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4];
+  __m256 v[V];
   __m256 amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < V; ++i) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
   }
   const float scale = hmax(amax) / 32767.0f;
   const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
   __m256i total = _mm256_setzero_si256();
-  for (int j = 0; j < 4; j += 2) {
+  for (int j = 0; j < V; j += 2) {
     const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));  // round to nearest
     total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
     // packs interleaves 128-bit lanes (a0 b0 a1 b1); the permute restores a0 a1 b0 b1
@@ -78,76 +82,39 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
   *s = scale * hsum(_mm256_cvtepi32_ps(total));
 }
 
-// Into the calling thread's scratch (valid until its next call): at batch 1, three at::empty calls
-// for these cost about as much as quantizing the row.
+// Into the calling thread's scratch, one per block size (valid until its next call): at batch 1, three
+// at::empty calls for these cost about as much as quantizing the row.
+template <int64_t QKB>
 QuantizedRows quantize_rows(const at::Tensor& x) {
   thread_local std::vector<int16_t> q;
   thread_local std::vector<float> d, s;
-  const int64_t M = x.size(0), K = x.size(1), nb = K / QK;
+  const int64_t M = x.size(0), K = x.size(1), nb = K / QKB;
   q.resize(M * K), d.resize(M * nb), s.resize(M * nb);
   const float* xp = x.data_ptr<float>();
   int16_t* qp = q.data();
   float *dp = d.data(), *sp = s.data();
   // rows are contiguous and K is a whole number of blocks, so block i of the flat array is block i % nb of row i / nb
   at::parallel_for(0, M * nb, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block(xp + i * QK, qp + i * QK, dp + i, sp + i);
+    for (int64_t i = begin; i < end; ++i) quantize_block<QKB>(xp + i * QKB, qp + i * QKB, dp + i, sp + i);
   });
   return {qp, dp, sp};
 }
 
-inline __m128i load128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+using namespace kvserve_panels;
+using Q4Bytes = U8;  // a 4-bit group unpacked to a byte a weight, its scales and mins as float32
 
-inline __m256 eight_halves(const uint8_t* p) { return _mm256_cvtph_ps(load128(p)); }
-
-// Panel block formats. pairs() gives, from chunk c of a block, k pairs 2c and 2c + 1 of the 8 features
-// as int16 lanes [f][e]; scales() and mins() the features' 8 scales and mins, from the block's start.
-struct Q4Panel {
-  static constexpr int64_t quants = 128, bytes = 160, chunk = 16;
-  static constexpr bool has_min = true;
-  static inline __m256 scales(const uint8_t* p) { return eight_halves(p + quants); }
-  static inline __m256 mins(const uint8_t* p) { return eight_halves(p + quants + 16); }
-  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
-    const __m256i w = _mm256_cvtepu8_epi16(load128(p));  // byte j -> word j
-    a = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
-    b = _mm256_srli_epi16(w, 4);
-  }
-};
-
-struct Q8Panel {
-  static constexpr int64_t quants = 256, bytes = 272, chunk = 32;
-  static constexpr bool has_min = false;
-  static inline __m256 scales(const uint8_t* p) { return eight_halves(p + quants); }
-  static inline __m256 mins(const uint8_t*) { return _mm256_setzero_ps(); }
-  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
-    a = _mm256_cvtepi8_epi16(load128(p));
-    b = _mm256_cvtepi8_epi16(load128(p + 16));
-  }
-};
-
-// A Q4 panel block unpacked to a byte a weight: pairs as Q8Panel's, unsigned; then its scales and mins as
-// float32.
-struct Q4Bytes {
-  static constexpr int64_t quants = 256, bytes = 320, chunk = 32;
-  static constexpr bool has_min = true;
-  static inline __m256 scales(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p + quants)); }
-  static inline __m256 mins(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p + quants) + 8); }
-  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
-    a = _mm256_cvtepu8_epi16(load128(p));
-    b = _mm256_cvtepu8_epi16(load128(p + 16));
-  }
-};
-
-// GROUP Q4 panels of nb blocks from q -> the same as Q4Bytes into `to`.
-inline void unpack_q4(const uint8_t* q, int64_t nb, uint8_t* to) {
+// GROUP panels of a 4-bit format F, nb blocks from q -> Q4Bytes blocks into `to`.
+template <class F>
+inline void unpack_nibbles(const uint8_t* q, int64_t nb, uint8_t* to) {
   const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t i = 0; i < GROUP * nb; ++i, q += Q4Panel::bytes, to += Q4Bytes::bytes) {
-    for (int64_t c = 0; c < Q4Panel::quants / 16; ++c) {
+  for (int64_t i = 0; i < GROUP * nb; ++i, q += F::bytes, to += Q4Bytes::bytes) {
+    for (int64_t c = 0; c < F::quants / 16; ++c) {
       const __m128i v = load128(q + 16 * c);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(to + 32 * c), _mm_and_si128(v, low));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(to + 32 * c + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
     }
-    _mm256_storeu_ps(reinterpret_cast<float*>(to + Q4Bytes::quants), Q4Panel::scales(q));
-    _mm256_storeu_ps(reinterpret_cast<float*>(to + Q4Bytes::quants) + 8, Q4Panel::mins(q));
+    _mm256_storeu_ps(reinterpret_cast<float*>(to + Q4Bytes::quants), F::scales(q));
+    _mm256_storeu_ps(reinterpret_cast<float*>(to + Q4Bytes::quants) + 8, F::mins(q));
   }
 }
 
@@ -196,34 +163,35 @@ bool has_wide() {
   return wide;
 }
 
-// out [M, N] = x [M, K] by the N-feature weight held as these panels.
+// out [M, N] (rows ldo apart) = x [M, K] by the N-feature weight held as these panels of F.
 template <class F>
-void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out) {
-  const int64_t nb = K / QK, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * nb * F::bytes;
-  if (M >= WIDE_FROM_ROWS && has_wide()) return wide::wide_linear<F>(x, M, K, N, panels, out, ROW_CHUNK);
+void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out, int64_t ldo) {
+  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * nb * F::bytes;
+  if constexpr (F::qk == QK)
+    if (M >= WIDE_FROM_ROWS && has_wide()) return wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
   const bool use_vnni = has_vnni();
   const TileFn* packed_tiles = use_vnni ? vnni::tiles<F> : avx2::tiles<F>;
   const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<Q4Bytes> : avx2::tiles<Q4Bytes>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
-    if (std::is_same_v<F, Q4Panel> && M >= UNPACK_ROWS) unpacked.resize(GROUP * nb * Q4Bytes::bytes);
+    if (F::nibbles && M >= UNPACK_ROWS) unpacked.resize(GROUP * nb * Q4Bytes::bytes);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
       const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
       const bool one_pass = r1 - r0 <= ROWS;  // each panel read once: stream them, prefetching ahead
-      const bool unpack = std::is_same_v<F, Q4Panel> && r1 - r0 >= UNPACK_ROWS;
+      const bool unpack = F::nibbles && r1 - r0 >= UNPACK_ROWS;
       for (int64_t g = begin; g < end; ++g) {
         const int64_t col = g * cols, width = std::min(cols, N - col);
         const uint8_t* q = panels + g * group_bytes;
-        if (unpack) unpack_q4(q, nb, unpacked.data());
+        if (unpack) unpack_nibbles<F>(q, nb, unpacked.data());
         // past the weight's end a prefetch is only wasted, never a fault
         const uint8_t* ahead = one_pass ? q + PREFETCH_GROUPS * group_bytes : nullptr;
         for (int64_t r = r0; r < r1; r += ROWS) {
           const int64_t rows = std::min(ROWS, r1 - r);
           const int16_t* xq = x.q + r * K;
           const float *xd = x.d + r * nb, *xs = x.s + r * nb;
-          float* o = out + r * N + col;
-          if (unpack) unpacked_tiles[rows - 1](unpacked.data(), nb, xq, xd, xs, K, o, N, width, nullptr);
-          else packed_tiles[rows - 1](q, nb, xq, xd, xs, K, o, N, width, ahead);
+          float* o = out + r * ldo + col;
+          if (unpack) unpacked_tiles[rows - 1](unpacked.data(), nb, xq, xd, xs, K, o, ldo, width, nullptr);
+          else packed_tiles[rows - 1](q, nb, xq, xd, xs, K, o, ldo, width, ahead);
         }
       }
     }
@@ -231,80 +199,124 @@ void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const
 }
 
 template <class F>
-at::Tensor linear_panels(const at::Tensor& x_in, const at::Tensor& w, int64_t N) {
+void check_panels(const at::Tensor& w, int64_t N, int64_t K) {
+  TORCH_CHECK(K % F::qk == 0, "x's last dimension must be a whole number of blocks of ", F::qk, ", got ", K);
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == panel_count(N) &&
+                  w.size(1) == K / F::qk && w.size(2) == F::bytes,
+              "w must be the panels of a ", N, "-row weight for K=", K, ": [", panel_count(N), ", ", K / F::qk, ", ",
+              F::bytes, "] uint8, got ", w.sizes());
+}
+
+template <class T>
+struct Tag {
+  using type = T;
+};
+
+// Calls fn(Tag<F>{}) with the panel format F of `kind`.
+template <class Fn>
+void with_format(int64_t kind, Fn&& fn) {
+  switch (kind) {
+    case KIND_Q4_1: return fn(Tag<Q4_1>{});
+    case KIND_Q8_0: return fn(Tag<Q8_0>{});
+    case KIND_Q4_0: return fn(Tag<Q4_0>{});
+    case KIND_Q4_K: return fn(Tag<Q4_K>{});
+    case KIND_U8: return fn(Tag<U8>{});
+    case KIND_Q6_K: return fn(Tag<Q6_K>{});
+  }
+  TORCH_CHECK(false, "unknown panel format ", kind);
+}
+
+// out [..., sum(ns)] = x [..., K] by each part's weight (ns[i] rows as panels of kinds[i]), side by side:
+// a projection whose parts a file holds in different formats (a Q4_K_M's q, k and v) is still one op.
+at::Tensor linear_blocks(const at::Tensor& x_in, at::TensorList ws, at::IntArrayRef ns, at::IntArrayRef kinds) {
   TORCH_CHECK(x_in.dim() >= 1, "x must be [..., K]");
+  TORCH_CHECK(!ws.empty() && ws.size() == ns.size() && ws.size() == kinds.size(), "one n and one kind a weight part");
   // aten::to is a dispatcher call even when it has nothing to do; 4 per layer add up at batch 1
   const at::Tensor x = (x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat)).contiguous().view({-1, x_in.size(-1)});
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % QK == 0, "x's last dimension must be a whole number of blocks of ", QK, ", got ", K);
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == panel_count(N) &&
-                  w.size(1) == K / QK && w.size(2) == F::bytes,
-              "w must be the panels of a ", N, "-row weight for K=", K, ": [", panel_count(N), ", ", K / QK, ", ",
-              F::bytes, "] uint8, got ", w.sizes());
+  int64_t total = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    with_format(kinds[i], [&](auto tag) { check_panels<typename decltype(tag)::type>(ws[i], ns[i], K); });
+    total += ns[i];
+  }
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0) panel_linear<F>(quantize_rows(x), M, K, N, w.data_ptr<uint8_t>(), out.data_ptr<float>());
+  shape.back() = total;
+  at::Tensor out = at::empty({M, total}, x.options());
+  if (M == 0) return out.view(shape);
+  // the activations quantized once for each block size the parts use
+  std::optional<QuantizedRows> rows[2];
+  int64_t col = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    with_format(kinds[i], [&](auto tag) {
+      using F = typename decltype(tag)::type;
+      auto& xq = rows[F::qk == QK ? 0 : 1];
+      if (!xq) xq = quantize_rows<F::qk>(x);
+      panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), out.data_ptr<float>() + col, total);
+    });
+    col += ns[i];
+  }
   return out.view(shape);
 }
 
-at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& w, int64_t n) { return linear_panels<Q4Panel>(x, w, n); }
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& w, int64_t n) { return linear_panels<Q8Panel>(x, w, n); }
-
-at::Tensor rows_q8(const at::Tensor& w, const at::Tensor& index_in) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == Q8Panel::bytes,
-              "w must be Q8_0 panels [P, K/32, ", Q8Panel::bytes, "] uint8, got ", w.sizes());
-  const at::Tensor index = index_in.to(at::kLong).contiguous();
-  const int64_t R = index.numel(), nb = w.size(1), rows = w.size(0) * PANEL;
-  at::Tensor out = at::empty({R, nb * QK}, at::TensorOptions().dtype(at::kFloat));
-  const int64_t* ip = index.data_ptr<int64_t>();
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "row ", ip[r], " is out of range for ", rows, " rows");
-  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t f = ip[r] % PANEL;
-      const uint8_t* panel = wp + (ip[r] / PANEL) * nb * Q8Panel::bytes;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* block = panel + b * Q8Panel::bytes;
-        uint16_t h;
-        std::memcpy(&h, block + Q8Panel::quants + 2 * f, 2);
-        const float d = _cvtsh_ss(h);
-        float* o = op + r * nb * QK + b * QK;
-        for (int64_t k = 0; k < QK; ++k) o[k] = d * static_cast<float>(static_cast<int8_t>(block[(k / 2) * 2 * PANEL + 2 * f + (k & 1)]));
+// rows `index` [R] of the weight held as panels of `kind` -> [R, K] f32, each weight scale*q + min.
+at::Tensor rows_blocks(const at::Tensor& w, const at::Tensor& index_in, int64_t kind) {
+  at::Tensor out;
+  with_format(kind, [&](auto tag) {
+    using F = typename decltype(tag)::type;
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == F::bytes,
+                "w must be panels [P, K/", F::qk, ", ", F::bytes, "] uint8, got ", w.sizes());
+    const at::Tensor index = index_in.to(at::kLong).contiguous();
+    const int64_t R = index.numel(), nb = w.size(1), rows = w.size(0) * PANEL;
+    out = at::empty({R, nb * F::qk}, at::TensorOptions().dtype(at::kFloat));
+    const int64_t* ip = index.data_ptr<int64_t>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* op = out.data_ptr<float>();
+    for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ip[r] >= 0 && ip[r] < rows, "row ", ip[r], " is out of range for ", rows, " rows");
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int f = static_cast<int>(ip[r] % PANEL);
+        const uint8_t* panel = wp + (ip[r] / PANEL) * nb * F::bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* block = panel + b * F::bytes;
+          alignas(32) float s[PANEL], m[PANEL];
+          _mm256_store_ps(s, F::scales(block));
+          _mm256_store_ps(m, F::mins(block));
+          float* o = op + (r * nb + b) * F::qk;
+          for (int k = 0; k < F::qk; ++k) o[k] = s[f] * static_cast<float>(F::quant(block, f, k)) + m[f];
+        }
       }
-    }
+    });
   });
   return out;
 }
 
 // Shapes only, for tracing and export (symbolic M).
-at::Tensor linear_meta(const at::Tensor& x, const at::Tensor&, int64_t n) {
+at::Tensor linear_blocks_meta(const at::Tensor& x, at::TensorList, at::IntArrayRef ns, at::IntArrayRef) {
   std::vector<c10::SymInt> shape(x.sym_sizes().begin(), x.sym_sizes().end());
-  shape.back() = n;
+  int64_t total = 0;
+  for (int64_t n : ns) total += n;
+  shape.back() = total;
   return at::empty_symint(shape, x.options().dtype(at::kFloat));
 }
 
-at::Tensor rows_q8_meta(const at::Tensor& w, const at::Tensor& index) {
-  return at::empty_symint({index.sym_numel(), w.sym_size(1) * QK}, w.options().dtype(at::kFloat));
+at::Tensor rows_blocks_meta(const at::Tensor& w, const at::Tensor& index, int64_t kind) {
+  const int64_t qk = kind == KIND_Q6_K ? 16 : QK;
+  return at::empty_symint({index.sym_numel(), w.sym_size(1) * qk}, w.options().dtype(at::kFloat));
 }
 
 }  // namespace
 
 TORCH_LIBRARY(kvserve_native, m) {
-  m.def("linear_q4(Tensor x, Tensor w, int n) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor w, int n) -> Tensor");
-  m.def("rows_q8(Tensor w, Tensor index) -> Tensor");
+  m.def("linear_blocks(Tensor x, Tensor[] ws, int[] ns, int[] kinds) -> Tensor");
+  m.def("rows_blocks(Tensor w, Tensor index, int kind) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
-  m.impl("linear_q4", &linear_q4);
-  m.impl("linear_q8", &linear_q8);
-  m.impl("rows_q8", &rows_q8);
+  m.impl("linear_blocks", &linear_blocks);
+  m.impl("rows_blocks", &rows_blocks);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) {
-  m.impl("linear_q4", &linear_meta);
-  m.impl("linear_q8", &linear_meta);
-  m.impl("rows_q8", &rows_q8_meta);
+  m.impl("linear_blocks", &linear_blocks_meta);
+  m.impl("rows_blocks", &rows_blocks_meta);
 }

@@ -94,7 +94,8 @@ constexpr WideFn wide_tiles[WIDE_ROWS] = {wide_tile<1, C, MIN>, wide_tile<2, C, 
 // out [M, N] = x [M, K] by the N-feature weight held as panels of F, two groups (32 features) a tile.
 template <class F>
 void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
-                 int64_t row_chunk) {
+                 int64_t ldo, int64_t row_chunk) {
+  static_assert(F::qk == QK, "the wide layout is of blocks of 32");
   const int64_t nb = K / QK, groups = panel_count(N) / GROUP, group_bytes = GROUP * nb * F::bytes;
   const int64_t units = (groups + 1) / 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -108,7 +109,7 @@ void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const 
         const WideFn* tiles = c == 2 ? wide_tiles<2, F::has_min> : wide_tiles<1, F::has_min>;
         for (int64_t r = r0; r < r1; r += WIDE_ROWS) {
           const int64_t rows = std::min<int64_t>(WIDE_ROWS, r1 - r);
-          tiles[rows - 1](scratch.data(), nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K, out + r * N + col, N,
+          tiles[rows - 1](scratch.data(), nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K, out + r * ldo + col, ldo,
                           std::min(c * GROUP * PANEL, N - col));
         }
       }

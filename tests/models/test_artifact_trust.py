@@ -18,7 +18,7 @@ from models.loader import export_checkpoint
 @pytest.fixture(scope="module")
 def exported(tiny_checkpoints, tmp_path_factory):
     folder = tmp_path_factory.mktemp("trust") / "tiny"
-    program, config, tokenizer = export_checkpoint(tiny_checkpoints["llama"], torch.float32)
+    program, config, tokenizer, _ = export_checkpoint(tiny_checkpoints["llama"], torch.float32)
     save_artifact(folder, program, config, tokenizer, torch.float32, name="tiny")
     return folder
 

@@ -1,45 +1,48 @@
-"""The AVX2 kernels of the q4 weights mode against plain torch on the same numbers."""
+"""The AVX2 kernels of the requantizing weight modes, and the fused ops, against plain torch on the same numbers."""
 import pytest
 import torch
 
-from models.block_quant import dequantize, panel_rows, quantize_q4, quantize_q8, to_panels
+from models.block_quant import REQUANT_KINDS, dequantize, quantize, to_panels
+from models.formats.panels import KINDS
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from kvcache.errors import NoActiveCache, PositionMismatch
 from models.config import ModelConfig
-from models.fused import NativeDecoder, NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
+from models.fused import NativeLayers, NativeQKVRotary, NativeRMSNorm, NativeSwiGLU
 from models.llama import Block, Layers, QKVRotary, RMSNorm, SwiGLU
 from models.quant import LinearBlocks, convert_linears, model_kernels_available
 
 pytestmark = pytest.mark.skipif(not model_kernels_available(), reason="no AVX2 CPU or compiler here")
 
 
-@pytest.mark.parametrize("fmt,quantize", [("q4", quantize_q4), ("q8", quantize_q8)])
-def test_block_formats_requantize_losslessly(fmt, quantize):
+@pytest.mark.parametrize("kind", REQUANT_KINDS)
+def test_block_formats_requantize_losslessly(kind):
     torch.manual_seed(0)
-    packed = quantize(torch.randn(64, 256))
-    values = dequantize(packed, fmt)
-    assert torch.equal(quantize(values), packed)  # a GGUF's own blocks come back unchanged
-    assert torch.equal(dequantize(quantize(values), fmt), values)
+    q, fields = quantize(torch.randn(64, 256), kind)
+    values = dequantize(q, fields, kind)
+    q2, fields2 = quantize(values, kind)  # a GGUF's own blocks come back unchanged
+    assert torch.equal(q2, q) and all(torch.equal(a, b) for a, b in zip(fields2, fields))
+    assert torch.equal(dequantize(q2, fields2, kind), values)
 
 
-@pytest.mark.parametrize("fmt,quantize", [("q4", quantize_q4), ("q8", quantize_q8)])
+@pytest.mark.parametrize("kind", REQUANT_KINDS)
 @pytest.mark.parametrize("rows", [16, 203])  # 203: the last panel, and the last group of two, padded
-def test_panels_hold_the_rows_blocks_and_nothing_more(fmt, quantize, rows):
+def test_panels_hold_the_blocks_and_nothing_more(kind, rows):
     torch.manual_seed(rows)
-    packed = quantize(torch.randn(rows, 96))
-    panels = to_panels(packed, fmt)
-    assert panels.numel() == -(-rows // 16) * 16 * packed.shape[1]  # the same bytes a row, rows padded to 16
-    assert torch.equal(panel_rows(panels, fmt, torch.arange(rows)), packed)
+    w = torch.randn(rows, 96)
+    panels = to_panels(w, kind)
+    assert panels.shape == (-(-rows // 16) * 2, 3, KINDS[kind].bytes)  # rows padded to 16, 8 a panel
+    want = dequantize(*quantize(w, kind), kind)
+    assert torch.equal(torch.ops.kvserve_native.rows_blocks(panels, torch.arange(rows), KINDS[kind].id), want)
     picked = torch.tensor([202 % rows, 0, 7, 8, 7])
-    assert torch.equal(panel_rows(panels, fmt, picked), packed[picked])
+    assert torch.equal(torch.ops.kvserve_native.rows_blocks(panels, picked, KINDS[kind].id), want[picked])
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", REQUANT_KINDS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 40, 131])  # tiles of 1 to 3 rows; from 16, unpacked; chunks of 128
 def test_block_linear_matches_its_dequantized_weights(fmt, rows):
     torch.manual_seed(rows)
     linear = torch.nn.Linear(576, 200, bias=True)  # 200 features: the GEMM's last tile is padded
-    fast = LinearBlocks(linear, fmt)
+    fast = LinearBlocks.quantized(linear, fmt)
     weight = fast.weight()
     x = torch.randn(1, rows, 576)
     with torch.no_grad():
@@ -49,14 +52,14 @@ def test_block_linear_matches_its_dequantized_weights(fmt, rows):
     assert float((got - want).norm() / want.norm()) < 1e-4  # int16 activations are near-exact
 
 
-@pytest.mark.parametrize("fmt", ["q4", "q8"])
+@pytest.mark.parametrize("fmt", REQUANT_KINDS)
 @pytest.mark.parametrize("features", [584, 203])  # 203: a last group of 8 and a last GEMM tile both partial
 def test_block_linear_rows_do_not_depend_on_the_batch(fmt, features):
     """A row gives bitwise what it gives alone in a batch of 2 or 3 (a wider tile), of 4 (several tiles), or
     of 8, 17, 40 and 131 (on AVX512-VNNI the wide tiles; from 16, unpacked panels; 131 in two chunks):
     greedy decoding must not change with the number of streams."""
     torch.manual_seed(1)
-    fast = LinearBlocks(torch.nn.Linear(1536, features, bias=False), fmt)
+    fast = LinearBlocks.quantized(torch.nn.Linear(1536, features, bias=False), fmt)
     x = torch.randn(131, 1536) * torch.linspace(0.01, 30, 1536)  # wide per-block ranges, as real activations have
     with torch.no_grad():
         alone = torch.cat([fast(row) for row in x.split(1)])
@@ -66,13 +69,13 @@ def test_block_linear_rows_do_not_depend_on_the_batch(fmt, features):
 
 
 def test_block_linear_rejects_mismatched_weights():
-    w = to_panels(quantize_q4(torch.randn(8, 64)), "q4")
+    w = to_panels(torch.randn(8, 64), "q4")
     with pytest.raises(RuntimeError, match="must be the panels of a 8-row weight for K=96"):
-        torch.ops.kvserve_native.linear_q4(torch.randn(2, 96), w, 8)
+        torch.ops.kvserve_native.linear_blocks(torch.randn(2, 96), [w], [8], [KINDS["q4"].id])
     with pytest.raises(RuntimeError, match="must be the panels of a 40-row weight"):
-        torch.ops.kvserve_native.linear_q4(torch.randn(2, 64), w, 40)
+        torch.ops.kvserve_native.linear_blocks(torch.randn(2, 64), [w], [40], [KINDS["q4"].id])
     with pytest.raises(RuntimeError, match="whole number of blocks"):
-        torch.ops.kvserve_native.linear_q4(torch.randn(2, 70), w, 8)
+        torch.ops.kvserve_native.linear_blocks(torch.randn(2, 70), [w], [8], [KINDS["q4"].id])
 
 
 def test_fused_modules_match_the_model_math():
@@ -103,14 +106,14 @@ def q4_layers(qkv_bias: bool = False) -> Layers:
 
 @pytest.mark.parametrize("qkv_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 6])  # one tile, then two
-def test_native_decoder_matches_the_layers_it_replaces(qkv_bias, rows):
+def test_native_layers_match_the_layers_they_replace(qkv_bias, rows):
     torch.manual_seed(rows)
     layers = q4_layers(qkv_bias)
     for block in layers:
         for norm in (block.input_layernorm, block.post_attention_layernorm):
             norm.weight.data.normal_()
-    assert NativeDecoder.fits(layers)
-    native = NativeDecoder(layers)
+    assert NativeLayers.fits(layers)
+    native = NativeLayers(layers)
     x = torch.randn(1, rows, 128)
     positions = torch.arange(3, 3 + rows).unsqueeze(1)  # [rows, 1], continuing a 3-token history
     angles = positions.float() * torch.rand(16)
@@ -118,7 +121,7 @@ def test_native_decoder_matches_the_layers_it_replaces(qkv_bias, rows):
     history = torch.randn(1, 3, 128)  # the same 3-token history in both caches
     outs, lengths = [], []
     for name, module in (("layers", layers), ("native", native)):
-        key = f"native-decoder-{name}"
+        key = f"native-layers-{name}"
         REGISTRY.install(key, SessionCache(CacheConfig(2, 2, 32, capacity=16)))
         with torch.no_grad():
             with REGISTRY.active(key):
@@ -131,42 +134,43 @@ def test_native_decoder_matches_the_layers_it_replaces(qkv_bias, rows):
     assert lengths == [3 + rows, 3 + rows]  # both forwards attended through the caches and were committed
 
 
-def test_native_decoder_passes_on_the_caches_typed_errors():
-    native = NativeDecoder(q4_layers())
+def test_native_layers_pass_on_the_caches_typed_errors():
+    native = NativeLayers(q4_layers())
     cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
-    REGISTRY.install("native-decoder-errors", SessionCache(CacheConfig(2, 2, 32, capacity=16)))
+    REGISTRY.install("native-layers-errors", SessionCache(CacheConfig(2, 2, 32, capacity=16)))
     try:
         with torch.no_grad():
-            with REGISTRY.active("native-decoder-errors"):
+            with REGISTRY.active("native-layers-errors"):
                 native(torch.randn(1, 1, 128), torch.tensor([[0]]), cos, sin)
-            with pytest.raises(PositionMismatch), REGISTRY.active("native-decoder-errors"):
+            with pytest.raises(PositionMismatch), REGISTRY.active("native-layers-errors"):
                 native(torch.randn(1, 1, 128), torch.tensor([[5]]), cos, sin)  # the history holds 1 token, not 5
-            assert REGISTRY.get("native-decoder-errors").length == 1  # the refused step changed nothing
+            assert REGISTRY.get("native-layers-errors").length == 1  # the refused step changed nothing
         with pytest.raises(NoActiveCache):
             native(torch.randn(1, 1, 128), torch.tensor([[1]]), cos, sin)
     finally:
-        REGISTRY.uninstall("native-decoder-errors")
+        REGISTRY.uninstall("native-layers-errors")
 
 
-def test_native_decoder_holds_each_weight_kind_once_and_refuses_stacks_that_disagree():
+def test_native_layers_hold_the_blocks_own_weights_and_check_them():
     layers = q4_layers()
-    native = NativeDecoder(layers)
-    assert torch.equal(native.qkv[1], layers[1].self_attn.qkv_proj.packed)  # [L, ...]: layer 1's panels
-    assert len(list(native.buffers())) == len(NativeDecoder.KINDS)  # six tensors a step, no bias here
-    cos, sin = torch.ones(1, 32), torch.zeros(1, 32)
-    weights = [getattr(native, kind) for kind in NativeDecoder.KINDS]
-    weights[2] = weights[2][:1]  # o for one layer of two
-    with pytest.raises(RuntimeError, match="stacked over its 2 layers"):
-        torch.ops.kvserve_native.decoder_q4(torch.randn(1, 1, 128), torch.tensor([[0]]), cos, sin, *weights, None,
-                                            4, 2, 1e-5, 32**-0.5)
+    native = NativeLayers(layers)
+    held = {t.data_ptr() for t in native.buffers()}
+    assert held == {t.data_ptr() for t in layers.buffers()}  # the blocks' own panels, no stacked copy
+    o = layers[0].self_attn.o_proj
+    with pytest.raises(RuntimeError, match="must be the panels of a 64-row weight"):
+        torch.ops.kvserve_native.layer_tail(torch.randn(1, 1, 128), torch.randn(1, 4, 1, 32), o.panels(), [64], [o.kind_ids[0]],
+                                            torch.ones(128), *NativeLayers._parts(layers[0].mlp.gate_up_proj),
+                                            *NativeLayers._parts(layers[0].mlp.down_proj), 1e-5)
 
 
-def test_native_decoder_takes_only_alike_q4_layers():
+def test_native_layers_take_block_format_llama_layers_of_any_kinds():
     q4 = q4_layers()
-    assert NativeDecoder.fits(q4)
-    assert not NativeDecoder.fits(Layers([q4[0], convert_linears(Block(tiny_config(), 1), "f16")]))
-    assert not NativeDecoder.fits(Layers([q4[0], Block(tiny_config(), 1)]))  # float32 projections
-    assert not NativeDecoder.fits(Layers())
+    assert NativeLayers.fits(q4)
+    mixed = Layers([q4[0], convert_linears(Block(tiny_config(), 1), "q8_0").eval()])
+    assert NativeLayers.fits(mixed)  # Q4_1 and Q8_0 layers: each projection its own kind
+    assert not NativeLayers.fits(Layers([q4[0], convert_linears(Block(tiny_config(), 1), "f16")]))
+    assert not NativeLayers.fits(Layers([q4[0], Block(tiny_config(), 1)]))  # float32 projections
+    assert not NativeLayers.fits(Layers())
 
 
 def test_kernels_are_built_with_openmp():
@@ -195,7 +199,7 @@ def test_a_tied_table_is_read_from_the_heads_blocks_only_when_they_hold_it_exact
         shapes = {k: v.shape for k, v in Transformer(config).state_dict().items() if k != "lm_head.weight"}
     state = {k: torch.randn(s) for k, s in shapes.items()}
     table = torch.randn(96, 64)
-    state["embed_tokens.weight"] = dequantize(quantize_q8(table), "q8") if exact else table
+    state["embed_tokens.weight"] = dequantize(*quantize(table, "q8"), "q8") if exact else table
     model = build_model(config, state, torch.float32, "q4")
     assert isinstance(model.embed_tokens, EmbeddingBlocks) == exact
     tokens = torch.tensor([[0, 5, 95, 5]])

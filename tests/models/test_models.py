@@ -77,7 +77,7 @@ def test_tiny_checkpoints_match_transformers(tiny_checkpoints, smollm, kind):
     import transformers
 
     folder = tiny_checkpoints[kind]
-    program, config, tok = export_checkpoint(folder, torch.float32)
+    program, config, tok, _ = export_checkpoint(folder, torch.float32)
     fwd = program.module()
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ids = tok.encode(PROMPT)
@@ -213,13 +213,14 @@ def test_folder_without_config_and_unsupported_arch(tmp_path, tiny_checkpoints):
         load_model("no-such-model")
 
 
-def test_exported_smollm_graph_holds_no_cache(smollm_path):
+@pytest.mark.parametrize("weights", ["f32", "stored"])
+def test_exported_smollm_graph_holds_no_cache(smollm_path, weights):
+    """The default export too (its weights as stored, block-format layers as native ops): one attention op a
+    layer, and no buffer but the weights and the RoPE frequencies."""
     config, state, _ = read_gguf(smollm_path)
-    ep = export_program(build_model(config, state, torch.float32))
-    kinds = {s.kind.name for s in ep.graph_signature.input_specs}
-    assert "BUFFER" not in kinds or all(
-        s.target == "inv_freq" for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"
-    )
+    ep = export_program(build_model(config, state, torch.float32, weights))
+    buffers = [s.target for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"]
+    assert all(b == "inv_freq" or b.split(".")[-1].startswith("packed") for b in buffers), buffers
     assert not [s for s in ep.graph_signature.output_specs if s.kind.name == "BUFFER_MUTATION"]
     calls = [n for n in ep.graph.nodes if "update_and_attend" in str(n.target)]
     assert len(calls) == 30

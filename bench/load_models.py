@@ -1,0 +1,133 @@
+"""Loading random-weight 1B and 3B models, kvserve beside llama-server, on the same GGUF files. Prints JSON.
+
+    python bench/load_models.py [--sizes 1b,3b] [--formats Q4_K_M,Q4_0,Q8_0] [--serve-tokens 32]
+
+Each file is written once into the cache folder (bench-models/): Llama-3.2-1B's or -3B's shape, SmolLM2's
+tokenizer, numbers from a fixed seed, written as F16 with gguf-py, then quantized by llama.cpp's own
+llama-quantize. For each file and server it records the time from start to a healthy /health, the peak
+RSS while loading (VmHWM) and the RSS at idle, then one greedy reply of --serve-tokens tokens (its
+tokens/s). kvserve is started cold (a cache folder without the file's artifact: it reads the GGUF and
+exports) and then warm (the artifact saved by the cold start).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from llama_server import build, tool  # noqa: E402
+
+from models.catalog import cache_dir, fetch  # noqa: E402
+from server.local import free_port  # noqa: E402
+from tests.models.gguf_files import write_llama_gguf  # noqa: E402
+
+SHAPES = {  # Llama-3.2's
+    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn=8192),
+    "3b": dict(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn=8192),
+    "8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn=14336),
+}
+
+
+def model_file(size: str, fmt: str) -> Path:
+    folder = cache_dir() / "bench-models"
+    folder.mkdir(parents=True, exist_ok=True)
+    f16 = folder / f"llama-{size}-random-F16.gguf"
+    if not f16.is_file():
+        tmp = f16.with_suffix(".tmp")
+        write_llama_gguf(tmp, fetch("smollm2-135m-instruct"), types="F16", seed=1, context=8192, **SHAPES[size])
+        tmp.rename(f16)
+    if fmt == "F16":
+        return f16
+    out = folder / f"llama-{size}-random-{fmt}.gguf"
+    if not out.is_file():
+        subprocess.run([str(tool("llama-quantize")), str(f16), str(out.with_suffix(".tmp")), fmt, "2"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out.with_suffix(".tmp").rename(out)
+    return out
+
+
+def memory(pid: int) -> dict:
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    return {"peak_rss_mb": int(fields["VmHWM"].split()[0]) // 1024, "rss_mb": int(fields["VmRSS"].split()[0]) // 1024}
+
+
+def measured(cmd: list[str], port: int, tokens: int, env: dict | None = None) -> dict:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited: {proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        ready = time.perf_counter() - t0
+        loaded = memory(proc.pid)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Once upon a time", "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        t1 = time.perf_counter()
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=1800).json()
+        took = time.perf_counter() - t1
+        if "usage" not in reply:
+            raise RuntimeError(f"{cmd[0]} answered {reply}")
+        n = reply["usage"]["completion_tokens"]
+        time.sleep(1)
+        return {"ready_s": round(ready, 2), "peak_rss_mb": loaded["peak_rss_mb"], "idle_rss_mb": memory(proc.pid)["rss_mb"],
+                "reply_tokens": n, "reply_tok_s": round(n / took, 2)}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def kvserve(path: Path, cache: Path, tokens: int) -> dict:
+    port = free_port()
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}, "KVSERVE_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", str(path), "--port", str(port), "--log-level", "warning"]
+    return measured(cmd, port, tokens, env)
+
+
+def llama(path: Path, tokens: int) -> dict:
+    port = free_port()
+    cmd = [str(build(quiet=True)), "-m", str(path), "--port", str(port), "-t", "2", "-np", "8", "-c", "16384", "--cont-batching"]
+    return measured(cmd, port, tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1b,3b")
+    ap.add_argument("--formats", default="Q4_K_M,Q4_0,Q8_0")
+    ap.add_argument("--serve-tokens", type=int, default=32)
+    args = ap.parse_args()
+    results = []
+    for size in args.sizes.split(","):
+        for fmt in args.formats.split(","):
+            path = model_file(size, fmt)
+            with tempfile.TemporaryDirectory(prefix="kvserve-cache-") as tmp:
+                cache = Path(tmp)
+                shutil.copytree(cache_dir() / "native", cache / "native")  # the built kernels, not the artifacts
+                row = {"size": size, "format": fmt, "file_mb": path.stat().st_size // 2**20,
+                       "kvserve_cold": kvserve(path, cache, args.serve_tokens),
+                       "kvserve_warm": kvserve(path, cache, args.serve_tokens),
+                       "llama_server": llama(path, args.serve_tokens)}
+            print(json.dumps(row), file=sys.stderr)
+            results.append(row)
+    print(json.dumps({"results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Which decoder each architecture builds, and how GGUF files name what the architectures hold.
+
+A checkpoint names its architecture in HF's config.json `architectures` or GGUF's `general.architecture`;
+config.py turns either into ModelConfig.architecture (HF_ARCHITECTURES, GGUF_ARCHITECTURES there: plain
+data, so reading a config needs no model code), and DECODERS below turns that into the decoder class.
+Mistral's GGUF files say "llama" (its math), so only its HF folders come out as "mistral".
+"""
+from __future__ import annotations
+
+from .blocks import Transformer
+from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .phi3 import Phi3Transformer
+from .qwen3 import Qwen3Transformer
+from .smollm3 import SmolLM3Transformer
+
+DECODERS: dict[str, type[Transformer]] = {
+    "llama": Transformer,
+    "qwen2": Transformer,  # Llama's math with config.qkv_bias
+    "mistral": Transformer,  # Llama's math; a sliding window shorter than the context is refused
+    "qwen3": Qwen3Transformer,  # q and k RMS-normed per head before RoPE
+    "smollm3": SmolLM3Transformer,  # some layers without RoPE
+    "phi3": Phi3Transformer,  # RoPE on part of each head (Phi-4-mini)
+}
+assert set(DECODERS) == set(SUPPORTED_ARCHITECTURES), "every architecture a config may name builds a decoder"
+
+
+def build_decoder(config: ModelConfig) -> Transformer:
+    """The decoder for `config`, its weights uninitialised (build it on the meta device)."""
+    return DECODERS[config.architecture](config)
+
+
+# GGUF tensor names after `blk.N.` -> ours after `layers.N.`, as llama.cpp's gguf-py (constants.py) names
+# them. The q, k, v and gate, up parts are fused later (export.fuse_projections); a file that fused them
+# already (phi3's attn_qkv) is taken as it is: same rows, same order as ours.
+GGUF_TENSOR_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: [(H_q + 2 H_kv) * D, dim], q rows, then k, then v
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3: [D], one for all heads
+    "attn_k_norm.weight": "self_attn.k_norm.weight",  # qwen3: [D]
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Where an architecture's files mean something else by a name. phi3 writes HF's fused gate_up_proj as
+# ffn_up [2 * ffn, dim], gate rows first (llama.cpp's fused swiglu activates the first half), and no ffn_gate.
+GGUF_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+# Architectures whose q and k rows llama.cpp's converter permuted for its interleaved ("normal") RoPE, to
+# be undone on load (gguf_loader.unpermute_qk): LlamaModel and its subclasses with undo_permute = True,
+# SmolLM3Model among them. qwen2, qwen3 and phi3 use llama.cpp's NeoX RoPE, which is ours: not permuted.
+GGUF_PERMUTED_QK = frozenset({"llama", "smollm3"})
+# Tensors a file may hold for math this project does not implement: loading one refuses the file.
+GGUF_REFUSED_TENSORS: dict[str, str] = {
+    "rope_factors_long.weight": "longrope RoPE scaling (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported",
+    "rope_factors_short.weight": "longrope RoPE scaling (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported",
+}
+
+
+def gguf_layer_names(arch: str) -> dict[str, str]:
+    """The GGUF -> our layer tensor names for an architecture's files (after `blk.N.` / `layers.N.`)."""
+    return {**GGUF_TENSOR_NAMES, **GGUF_TENSOR_NAMES_BY_ARCH.get(arch, {})}

@@ -1,0 +1,87 @@
+"""GGUF's block formats, each served as stored: a block type with its traits, its decoding, and the
+panel kind it is repacked into for the CPU (panels.py), losslessly. One file a format; this is the table."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .panels import KINDS, PanelKind, pack, panel_count
+
+# rows repacked at a time: bounds the load's transient memory to a few MB a tensor
+CHUNK_ROWS = 1024
+# the float types a file may store a weight in, served by the float kernels as they are
+FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+class CorruptBlock(ValueError):
+    """A block's scale is not a finite number: the file is damaged."""
+
+
+def halves(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of each block: raw [R, nb, bytes] -> [R, nb] float16, all finite."""
+    values = raw[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1)
+    # an fp16 is infinite or NaN when its exponent bits are all ones
+    if bool(((values.view(torch.int16) & 0x7C00) == 0x7C00).any()):
+        raise CorruptBlock("a block holds a scale that is not a finite number")
+    return values
+
+
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes of a 32-weight block [..., 16] -> its weights [..., 32]: low nibbles first, as ggml packs them."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+def bits(packed: torch.Tensor) -> torch.Tensor:
+    """Little-endian bit fields [..., n] uint8 -> [..., 8n] of 0/1, bit i of the whole at i."""
+    shifts = torch.arange(8, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).flatten(-2)
+
+
+Decoded = tuple[torch.Tensor, list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block type: `block` weights in `bytes` bytes, decoded into a panel kind's quants and fields."""
+
+    name: str
+    block: int
+    bytes: int
+    kind_name: str
+    decode: Callable[[torch.Tensor], Decoded]  # raw [R, nb, bytes] uint8 -> quants [R, nb', qk], fields [R, nb'] each
+
+    @property
+    def kind(self) -> PanelKind:
+        return KINDS[self.kind_name]
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.block * self.bytes
+
+    def _decoded(self, raw: torch.Tensor) -> Decoded:
+        return self.decode(raw.reshape(raw.shape[0], -1, self.bytes))
+
+    def panels(self, read_rows: Callable[[int, int], torch.Tensor], n: int) -> torch.Tensor:
+        """The n-row weight whose raw rows read_rows(r0, r1) gives -> panels, chunk by chunk."""
+        out = None
+        for r0 in range(0, n, CHUNK_ROWS):  # CHUNK_ROWS fills whole panel groups
+            r1 = min(n, r0 + CHUNK_ROWS)
+            q, fields = self._decoded(read_rows(r0, r1))
+            if out is None:
+                out = torch.empty(panel_count(n), q.shape[1], self.kind.bytes, dtype=torch.uint8)
+            pack(q, fields, self.kind, out[r0 // 8 : r0 // 8 + panel_count(r1 - r0)])
+        return out
+
+    def dequantize(self, raw: torch.Tensor) -> torch.Tensor:
+        """raw rows [R, row bytes] -> the weight [R, K] float32."""
+        return self.kind.dequantize(*self._decoded(raw))
+
+
+def _table() -> dict[str, BlockFormat]:
+    from . import q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
+
+    return {m.FORMAT.name: m.FORMAT for m in (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)}
+
+
+FORMATS = _table()

@@ -1,0 +1,148 @@
+"""GGUF's block formats served as stored: each decodes as llama.cpp's reference does, repacks to panels
+losslessly, and multiplies by its own kernel; whole files load in their formats, and bad ones fail clearly."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from models import ModelLoadError, load_model
+from models.formats import FORMATS
+from models.quant import LinearBlocks, model_kernels_available
+from models.stored import StoredTensor
+from tests.models.gguf_files import random_blocks, write_llama_gguf
+from tests.models.test_models import PROMPT, Session, run_prompt
+
+pytestmark = pytest.mark.skipif(not model_kernels_available(), reason="no AVX2 CPU or compiler here")
+
+
+def reference(gguf_type: str, raw: np.ndarray, rows: int, k: int) -> torch.Tensor:
+    """llama.cpp's own dequantization, as gguf-py ports it."""
+    import gguf
+
+    return torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[gguf_type]).reshape(rows, k).copy())
+
+
+def stored_panels(gguf_type, raw):
+    data = torch.from_numpy(raw.copy())
+    return FORMATS[gguf_type].panels(lambda r0, r1: data[r0:r1], raw.shape[0])
+
+
+@pytest.mark.parametrize("gguf_type", sorted(FORMATS))
+def test_each_format_decodes_and_repacks_exactly(gguf_type):
+    rng = np.random.default_rng(7)
+    rows, k = 1227, 256  # in two chunks, the last panel and group padded
+    raw = random_blocks(gguf_type, rows, k, rng)
+    want = reference(gguf_type, raw, rows, k)
+    assert torch.equal(FORMATS[gguf_type].dequantize(torch.from_numpy(raw.copy())), want)
+    kind = FORMATS[gguf_type].kind
+    panels = stored_panels(gguf_type, raw)
+    assert panels.shape == (154, k // kind.qk, kind.bytes)
+    assert torch.equal(torch.ops.kvserve_native.rows_blocks(panels, torch.arange(rows), kind.id), want)
+
+
+@pytest.mark.parametrize("gguf_type", sorted(FORMATS))
+def test_each_format_kernel_matches_its_weights_at_every_batch(gguf_type):
+    """Near-exact against its own dequantized weight, and a row's output is bitwise the same whatever
+    shares its step: alone, in tiles of 2 and 3, the wide tiles (8+), unpacked panels (16+), two chunks (131)."""
+    rng = np.random.default_rng(3)
+    rows, k = 200, 768
+    raw = random_blocks(gguf_type, rows, k, rng)
+    weight = reference(gguf_type, raw, rows, k)
+    kind = FORMATS[gguf_type].kind
+    panels = stored_panels(gguf_type, raw)
+    x = torch.randn(131, k) * torch.linspace(0.01, 30, k)
+    full = torch.ops.kvserve_native.linear_blocks(x, [panels], [rows], [kind.id])
+    want = x @ weight.T
+    assert float((full - want).norm() / want.norm()) < 1e-4
+    for m in (1, 2, 3, 8, 17, 40):
+        assert torch.equal(torch.cat([torch.ops.kvserve_native.linear_blocks(p, [panels], [rows], [kind.id])
+                                      for p in x.split(m)]), full), m
+
+
+def test_a_projection_of_mixed_formats_is_one_op(tmp_path):
+    """A Q4_K_M's q and k in Q4_K, its v in Q6_K: one module, one op, the parts side by side."""
+    rng = np.random.default_rng(1)
+    k, parts = 256, [("Q4_K", 64), ("Q4_K", 32), ("Q6_K", 32), ("Q5_0", 24)]
+    path, tensors, weights, offset = tmp_path / "w.bin", [], [], 0
+    with open(path, "wb") as f:
+        for i, (t, n) in enumerate(parts):
+            raw = random_blocks(t, n, k, rng)
+            f.write(raw.tobytes())
+            tensors.append(StoredTensor(f"w{i}", path, offset, t, (n, k)))
+            weights.append(reference(t, raw, n, k))
+            offset += raw.nbytes
+    linear = LinearBlocks.from_stored(tensors, None)
+    assert linear.kinds == ("q4_k", "q6_k", "q8") and linear.ns == (96, 32, 24)  # the two Q4_K tensors share a part
+    assert linear.sources == ("Q4_K", "Q4_K", "Q6_K", "Q5_0")
+    x = torch.randn(5, k)
+    want = x @ torch.cat(weights).T
+    assert float((linear(x) - want).norm() / want.norm()) < 1e-4
+    assert torch.equal(linear.weight(), torch.cat(weights))
+
+
+MIXES = {
+    **{t: t for t in sorted(FORMATS)},
+    "F16": "F16",
+    "Q4_K_M": {"token_embd": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "*": "Q4_K"},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory, smollm_path):
+    root = tmp_path_factory.mktemp("formats")
+    return {name: write_llama_gguf(root / f"tiny-{name}.gguf", smollm_path, dim=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                                   ffn=512, types=types, seed=i)
+            for i, (name, types) in enumerate(MIXES.items())}
+
+
+def last_logits(model, ids):
+    with Session(model.config) as session, torch.no_grad():
+        return run_prompt(session.committing(model.forward), model.config, ids)[0]
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_file_is_served_as_stored(tiny_files, smollm, mix):
+    """Its logits match a dequantize-then-f32 reference of the same file, and it says what it holds."""
+    ids = smollm.tokenizer.encode(PROMPT)
+    served = load_model(str(tiny_files[mix]), use_cache=False, weights="stored")
+    exact = load_model(str(tiny_files[mix]), use_cache=False, weights="f32")
+    got, want = last_logits(served, ids), last_logits(exact, ids)
+    assert float((got - want).norm() / want.norm()) < 2e-3  # the activations' int16 rounding, no more
+    held = dict(served.held)
+    if mix == "F16":  # float q, k, v (and gate, up) are held fused: 4 matrices a layer, and the table
+        assert held == {"F16": 2 * 4 + 1, "F32": 2 * 2 + 1}
+    elif isinstance(MIXES[mix], str):  # the file's 7 matrices a layer, and the table
+        assert held == {mix: 2 * 7 + 1, "F32": 2 * 2 + 1}
+    else:
+        assert held == {"Q4_K": 10, "Q6_K": 5, "F32": 5}
+
+
+def test_a_type_without_a_kernel_names_the_tensor_unless_requantized(tmp_path, smollm_path, smollm):
+    path = write_llama_gguf(tmp_path / "q2k.gguf", smollm_path, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn=512,
+                            types={"ffn_down": "Q2_K", "*": "Q4_0"})
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_down\.weight is Q2_K.*--weights q4_0"):
+        load_model(str(path), use_cache=False, weights="auto")
+    model = load_model(str(path), use_cache=False, weights="q8_0")  # asked: requantized, and it says so
+    # from float32: q, k, v (and gate, up) fused, so 4 matrices and the lm_head; 3 norms and the f32 table
+    assert dict(model.held) == {"Q8_0": 5, "F32": 4}
+    assert torch.isfinite(last_logits(model, smollm.tokenizer.encode(PROMPT))).all()
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_bad_files_fail_clearly_without_a_traceback(tmp_path, tiny_files):
+    good = tiny_files["Q4_K"].read_bytes()
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(good[: len(good) - 1000])
+    corrupt = tmp_path / "corrupt.gguf"
+    data = bytearray(good)
+    data[-144 * 3 : -144 * 3 + 2] = np.array([np.inf], dtype=np.float16).tobytes()  # a block's d
+    corrupt.write_bytes(bytes(data))
+    for path, message in ((truncated, "truncated"), (corrupt, "not a finite number")):
+        result = run_cli("export", "--model", str(path), "--out", str(tmp_path / "out"))
+        assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
+        assert "Traceback" not in result.stderr

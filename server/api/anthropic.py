@@ -5,6 +5,10 @@ means (system first; a tool_use block an assistant's tool call; a tool_result bl
 which tools.py renders and the chat template turns into the prompt. `tool_choice` any or a named tool
 is enforced by the same tool-call grammar, and the reply's calls are parsed (or streamed) by the same
 code. A final assistant message is a prefill: the reply continues it.
+
+`thinking` switches the template's thinking on or off (Qwen3's enable_thinking; off when absent, as Claude
+does not think unless asked), and a reply's think block comes back as a thinking block before its text.
+An earlier turn's thinking blocks go back into the chat as that turn's reasoning.
 """
 from __future__ import annotations
 
@@ -18,11 +22,12 @@ from pydantic import ValidationError
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Scheduling, Sequence
 from ..errors import InvalidRequest
-from . import anthropic_checks, generation, tools
-from .anthropic_schemas import (ERROR_RESPONSES, CountTokensRequest, MediaBlock, Message, MessagesRequest, TextBlock,
-                                ToolResultBlock, ToolUseBlock)
-from .anthropic_stream import MessageStream, matched_stop, message, stop_reason, tool_use_id, usage
+from . import anthropic_checks, chat_render, chat_template, generation, tools
+from .anthropic_schemas import (ERROR_RESPONSES, CountTokensRequest, MediaBlock, Message, MessagesRequest,
+                                RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
+from .anthropic_stream import MessageStream, matched_stop, message, signature, stop_reason, tool_use_id, usage
 from .anthropic_stream import error_body  # noqa: F401  (app.py renders errors under PREFIX with it)
+from .reply import ReplyReader
 from .schemas import ChatCompletionRequest
 
 PREFIX = "/v1/messages"
@@ -49,11 +54,15 @@ def _chat_messages(m: Message, where: str) -> list[dict]:
     """One Anthropic message as OpenAI chat messages: a user's tool results each become a tool message."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
-    out, text, calls = [], [], []
+    out, text, calls, thought = [], [], [], []
     for j, b in enumerate(m.content):
         at = f"{where}.content.{j}"
         if isinstance(b, TextBlock | MediaBlock):
             text.append(_text_part(b, at))
+        elif isinstance(b, ThinkingBlock | RedactedThinkingBlock):
+            if m.role != "assistant":
+                raise InvalidRequest(f"{b.type} blocks belong in assistant messages", param=at)
+            thought += [b.thinking] if isinstance(b, ThinkingBlock) and b.thinking else []
         elif isinstance(b, ToolUseBlock):
             if m.role != "assistant":
                 raise InvalidRequest("tool_use blocks belong in assistant messages", param=at)
@@ -67,7 +76,8 @@ def _chat_messages(m: Message, where: str) -> list[dict]:
                 text = []
             out.append(_tool_message(b, at))
     if text or calls or not out:
-        out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})})
+        out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {}),
+                    **({"reasoning_content": "\n\n".join(thought)} if thought else {})})
     return out
 
 
@@ -95,26 +105,29 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate({
             "messages": messages, "tools": functions or None, "tool_choice": named,
             "parallel_tool_calls": not (choice is not None and choice.disable_parallel_tool_use),
+            "chat_template_kwargs": {"enable_thinking": body.thinking is not None and body.thinking.on},
         })
     except ValidationError as e:  # e.g. more messages than a chat holds, once tool results are split out
         raise InvalidRequest(f"the messages do not make a chat: {e.errors()[0]['msg']}", param="messages") from None
 
 
-def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionRequest, list[int]]:
-    """The request's chat and its prompt's tokens, through the chat template as for /v1/chat/completions."""
+def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionRequest, chat_render.RenderedChat]:
+    """The request's chat and its prompt, through the chat template as for /v1/chat/completions."""
     generation.check_model(http, body.model)
     anthropic_checks.check_tools(body.tools or [])
     anthropic_checks.check_turns(body.messages)
     tok = generation.engine_of(http).tokenizer
+    if body.thinking is not None and body.thinking.type == "enabled" and not chat_template.thinks(tok):
+        raise InvalidRequest("thinking is not supported: this model's chat template has no thinking", param="thinking")
+    if body.thinking is not None and body.thinking.on and body.tool_choice is not None and body.tool_choice.type in (
+            "any", "tool"):  # Anthropic's rule: a forced call leaves no room to think first
+        raise InvalidRequest("Thinking may not be enabled when tool_choice forces tool use.", param="tool_choice")
     chat = chat_request(body)
-    messages, template_tools = tools.chat_messages(chat, tok.template_has_tools)
-    prefill = messages.pop()["content"] if messages[-1]["role"] == "assistant" else ""
-    text = tok.apply_chat_template(messages, True, template_tools) + prefill
-    return chat, tok.encode(text, add_special=False)
+    return chat, chat_render.render_chat(tok, chat, prefill=True)
 
 
 def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: list[dict] | None,
-           parallel: bool) -> Sequence:
+           parallel: bool, reader: ReplyReader) -> Sequence:
     engine = generation.engine_of(http)
     grammar, output = None, body.output_schema()
     if forced is not None and output is not None:
@@ -135,6 +148,7 @@ def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: 
         grammar=grammar,
         stop_repeats=tools.CALL_END if forced is not None else None,
     )
+    params = reader.sampling(params)
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params,
                             resend=True, scheduling=Scheduling(body.priority, body.timeout, body.speculative))[0]
 
@@ -144,18 +158,28 @@ def _tool_use(call: dict) -> dict:
             "input": json.loads(call["function"]["arguments"])}
 
 
+def _thinking(body: MessagesRequest, reasoning: str | None) -> list[dict]:
+    """The reply's thinking as a block, where the request asked for thinking and the reply did think."""
+    if reasoning is None or body.thinking is None or not body.thinking.on:
+        return []
+    shown = "" if body.thinking.display == "omitted" else reasoning
+    return [{"type": "thinking", "thinking": shown, "signature": signature(reasoning)}]
+
+
 @router.post(PREFIX)
 async def messages(body: MessagesRequest, http: HttpRequest):
-    chat, prompt = render(http, body)
+    chat, rendered = render(http, body)
     forced = tools.forced_tools(chat)
-    names = tools.offered_names(chat)
-    req = _start(http, body, prompt, forced, tools.parallel_calls(chat))
+    reader = rendered.reader if forced is None and body.output_schema() is None else rendered.reader.constrained()
+    req = _start(http, body, rendered.ids, forced, tools.parallel_calls(chat), reader)
     if body.stream:
-        stream = MessageStream(http, req, names, forced is not None)
+        stream = MessageStream(http, req, reader, body.thinking)
         return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)
     _, f = await generation.collect(http, req)
-    text, calls = tools.parse_tool_calls(f.output, names, forced is not None)
-    content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
+    reply = reader.parse([f.output])
+    text, calls = reply.content, reply.calls
+    content = _thinking(body, reply.reasoning) + ([{"type": "text", "text": text}] if text else [])
+    content += [_tool_use(c) for c in calls]
     reason = stop_reason(f.reason, len(calls))
     stop = matched_stop(generation.engine_of(http).tokenizer, req, f) if reason == "stop_sequence" else None
     return message(http, content, reason, stop, usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens))
@@ -163,5 +187,5 @@ async def messages(body: MessagesRequest, http: HttpRequest):
 
 @router.post(PREFIX + "/count_tokens")
 async def count_tokens(body: CountTokensRequest, http: HttpRequest) -> dict:
-    _, prompt = render(http, body)
-    return {"input_tokens": len(prompt)}
+    _, rendered = render(http, body)
+    return {"input_tokens": len(rendered.ids)}

@@ -18,7 +18,7 @@ CacheControl = dict[str, Any] | None
 
 TEXT_TYPES = ("text",)
 RESULT_TYPES = ("text", "image", "document")  # what a tool_result's content holds
-BLOCK_TYPES = (*RESULT_TYPES, "tool_use", "tool_result")
+BLOCK_TYPES = (*RESULT_TYPES, "tool_use", "tool_result", "thinking", "redacted_thinking")
 
 
 def known_blocks(value: Any, types: tuple[str, ...], where: str = "") -> Any:
@@ -81,7 +81,25 @@ class ToolResultBlock(_Body):
         return known_blocks(value, RESULT_TYPES)
 
 
-Block = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock], Field(discriminator="type")]
+class ThinkingBlock(_Body):
+    """An assistant's earlier thinking, sent back as it came (its signature is not checked: kvserve does not sign)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl = None
+
+
+class RedactedThinkingBlock(_Body):
+    """Thinking another server encrypted: nothing here can read it, so it is left out of the prompt."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+    cache_control: CacheControl = None
+
+
+Block = Annotated[Union[TextBlock, MediaBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+                  Field(discriminator="type")]
 
 
 class Message(_Body):
@@ -118,6 +136,26 @@ class ToolChoice(_Body):
         return self
 
 
+class ThinkingConfig(_Body):
+    """enabled: the reply thinks first, and its thinking comes back as thinking blocks; adaptive: the same,
+    on a model that thinks; disabled: no thinking (the template's switch off). budget_tokens is checked as
+    Anthropic checks it, and not enforced: the model's thinking ends when it closes it (max_tokens still bounds it)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, Field(ge=1024)] | None = None
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks with empty text
+
+    @model_validator(mode="after")
+    def _budget(self):
+        if (self.type == "enabled") != (self.budget_tokens is not None):
+            raise ValueError("thinking.budget_tokens is required with type 'enabled', and only there")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.type != "disabled"
+
+
 class CountTokensRequest(_Body):
     """`/v1/messages/count_tokens` body: what the prompt is made of."""
 
@@ -127,6 +165,7 @@ class CountTokensRequest(_Body):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     cache_control: CacheControl = None
+    thinking: ThinkingConfig | None = None
 
     @field_validator("system", mode="before")
     @classmethod
@@ -143,7 +182,7 @@ class OutputFormat(_Body):
 
 class OutputConfig(_Body):
     format: OutputFormat | None = None
-    effort: Literal["low", "medium", "high"] | None = None  # thinking effort: no model here thinks, so none to spend
+    effort: Literal["low", "medium", "high"] | None = None  # thinking effort: accepted, not graded (a model thinks or not)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -168,6 +207,13 @@ class MessagesRequest(CountTokensRequest):
         if self.output_config is not None and self.output_config.format is not None:
             return self.output_config.format.schema_, "output_config.format.schema"
         return (self.output_format.schema_, "output_format.schema") if self.output_format is not None else None
+
+    @model_validator(mode="after")
+    def _budget_fits(self):
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({self.max_tokens})")
+        return self
 
 
 class ErrorDetail(BaseModel):

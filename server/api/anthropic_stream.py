@@ -1,12 +1,14 @@
 """A reply in Anthropic's shape: stop reasons, usage and errors, and the SSE event grammar of a streamed one.
 
 A stream is `message_start`, `ping`, then content blocks, each `content_block_start`, its deltas
-(`text_delta`, or `input_json_delta` for a tool_use block's input, while it is generated) and
-`content_block_stop`; then `message_delta` (the stop reason and usage) and `message_stop`. A failure
+(`thinking_delta` and a last `signature_delta` for a thinking block, `text_delta`, or `input_json_delta` for
+a tool_use block's input, while it is generated) and `content_block_stop`; then `message_delta` (the stop reason and usage) and `message_stop`. A failure
 midway is an `error` event, which the SDKs raise as the status error its type names.
 """
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import secrets
 from collections.abc import AsyncIterator
@@ -16,7 +18,8 @@ from fastapi import Request as HttpRequest
 from ..engine.sequence import Finished, Sequence, TokenEvent
 from ..errors import ApiError
 from . import generation
-from .tool_stream import ToolCallStream
+from .anthropic_schemas import ThinkingConfig
+from .reply import ReplyReader
 
 # "timeout": its deadline passed while it ran (as the OpenAI routes say; Anthropic has no such reason)
 STOP_REASONS = {"eos": "end_turn", "stop": "stop_sequence", "length": "max_tokens", "cancelled": "max_tokens",
@@ -70,6 +73,12 @@ def tool_use_id() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's signature. kvserve does not sign (a client's thinking blocks are taken as sent): this
+    is a digest of the thinking, so that clients that keep and send back signatures find one."""
+    return base64.b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
+
+
 def event(name: str, payload: dict) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **payload}, ensure_ascii=False)}\n\n"
 
@@ -77,9 +86,12 @@ def event(name: str, payload: dict) -> str:
 class MessageStream:
     """Turns one request's engine events into Anthropic's stream events."""
 
-    def __init__(self, http: HttpRequest, req: Sequence, names: set[str], forced: bool) -> None:
+    def __init__(self, http: HttpRequest, req: Sequence, reader: ReplyReader, thinking: ThinkingConfig | None) -> None:
         self.http, self.req = http, req
-        self.calls = ToolCallStream(names, forced) if names else None
+        self.reply = reader.stream()
+        self.shows_thinking = thinking is not None and thinking.on  # asked for: else a think block is dropped
+        self.omits_thinking = thinking is not None and thinking.display == "omitted"
+        self.thought = ""  # the open thinking block's thinking, for its signature
         self.blocks = 0  # content blocks started
         self.open: str | None = None  # the type of the block now open, if one is
 
@@ -102,24 +114,30 @@ class MessageStream:
                 yield out
 
     def _feed(self, text: str) -> list[str]:
-        if self.calls is None:
-            return self._text(text)
-        content, deltas = self.calls.feed(text)
-        return self._tools(deltas) + self._text(content)  # text in the same piece only ever follows the calls
+        reasoning, content, deltas = self.reply.feed(text)
+        # thinking comes first, and text in the same piece only ever follows the calls
+        return self._thinking(reasoning) + self._tools(deltas) + self._text(content)
 
     def _end(self, f: Finished) -> list[str]:
         out = self._feed((f.last.text if f.last is not None else "") + f.text)
-        complete = 0
-        if self.calls is not None:
-            content, deltas = self.calls.finish()
-            out += self._text(content) + self._tools(deltas)
-            complete = self.calls.complete
+        reasoning, content, deltas = self.reply.finish()
+        out += self._thinking(reasoning) + self._text(content) + self._tools(deltas)
         out += self._close()
-        reason = stop_reason(f.reason, complete)
+        reason = stop_reason(f.reason, self.reply.complete)
         stop = matched_stop(self.http.app.state.engine.tokenizer, self.req, f) if reason == "stop_sequence" else None
         out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
                                            "usage": usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens)}))
         out.append(event("message_stop", {}))
+        return out
+
+    def _thinking(self, thinking: str) -> list[str]:
+        if not thinking or not self.shows_thinking:
+            return []
+        out = [] if self.open == "thinking" else self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self.thought += thinking
+        if not self.omits_thinking:
+            out.append(event("content_block_delta", {"index": self.blocks - 1,
+                                                     "delta": {"type": "thinking_delta", "thinking": thinking}}))
         return out
 
     def _text(self, text: str) -> list[str]:
@@ -150,5 +168,11 @@ class MessageStream:
     def _close(self) -> list[str]:
         if self.open is None:
             return []
+        out = []
+        if self.open == "thinking":  # its signature comes last, just before the block's end
+            out.append(event("content_block_delta", {"index": self.blocks - 1,
+                                                     "delta": {"type": "signature_delta",
+                                                               "signature": signature(self.thought)}}))
+            self.thought = ""
         self.open = None
-        return [event("content_block_stop", {"index": self.blocks - 1})]
+        return out + [event("content_block_stop", {"index": self.blocks - 1})]

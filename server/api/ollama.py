@@ -2,7 +2,9 @@
 /api/version; errors under /api/ in Ollama's shape, {"error": message}.
 
 A thin adapter over the generation path the OpenAI routes take: chat messages and tools go through
-tools.py, `format` through the same grammars, and the reply's text through the same output stream.
+tools.py, `format` through the same grammars, and the reply's text through the same output stream and
+reader (ollama_reply.py). `think` switches the template's thinking on or off (Qwen3's enable_thinking); a
+model whose template has no thinking refuses `think: true`, as Ollama does.
 """
 from __future__ import annotations
 
@@ -10,28 +12,23 @@ import datetime
 import hashlib
 import json
 import logging
-import time
 
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import Response, StreamingResponse
 
-from ..engine.sequence import Finished, Sequence, TokenEvent
-from ..errors import ApiError, InvalidRequest, NotFound, cut
-from . import generation, model_names, openai, tools
+from ..engine.sequence import Sequence
+from ..errors import InvalidRequest, NotFound, cut
+from . import chat_render, chat_template, generation, model_names
+from .ollama_reply import NDJSON, OllamaReply, line, now, respond
+from .ollama_reply import error_body  # noqa: F401  (guard.py renders errors under PREFIX with it)
 from .ollama_schemas import DEFAULTS, ERRORS, OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest
+from .reply import ReplyReader
 from .schemas import ChatCompletionRequest
-from .tool_stream import ToolCallStream
 
 PREFIX = "/api/"
 # the Ollama release whose API this speaks (format schemas, tools, streamed tool calls): clients gate features on it
 OLLAMA_VERSION = "0.8.0"
-# "shutdown": the server's drain ended it ("abort", as the OpenAI routes say; Ollama's done_reason is free text)
-REASONS = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "timeout", "cancelled": "stop", "error": "stop",
-           "shutdown": "abort",
-           "unmet": "length"}  # its grammar allowed nothing more: the output is incomplete
-NDJSON = "application/x-ndjson"
-BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q4": 20 / 32}  # q4: Q4_1 blocks of 32 weights in 20 bytes
 STREAMED = {200: {"content": {NDJSON: {}}, "description": "One JSON object a line (or one object, with stream false)"}}
 router = APIRouter(tags=["ollama"], responses=ERRORS)
 log = logging.getLogger("kvserve.ollama")
@@ -39,15 +36,6 @@ log = logging.getLogger("kvserve.ollama")
 
 def owns(path: str) -> bool:
     return path.startswith(PREFIX)
-
-
-def error_body(err: ApiError) -> dict:
-    """An error in Ollama's shape: the app renders every error under /api/ through this."""
-    return {"error": err.message}
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def _check_model(http: HttpRequest, model: str) -> None:
@@ -68,7 +56,29 @@ def _grammar(http: HttpRequest, body, tools_offered: bool) -> str | None:
     return grammars.check(grammars.json_schema({"type": "object"} if fmt == "json" else fmt, "format"), "format")
 
 
-def _start(http: HttpRequest, body, prompt: list[int], tools_offered: bool = False) -> Sequence:
+def _template_variables(http: HttpRequest, body) -> dict | None:
+    """`think` as the template's switch (a level, gpt-oss's, is thinking on); None leaves the template's default."""
+    if body.think not in (None, False) and not chat_template.thinks(generation.engine_of(http).tokenizer):
+        raise InvalidRequest(f"{cut(body.model)!r} does not support thinking", param="think")
+    return None if body.think is None else {"enable_thinking": body.think is not False}
+
+
+def _tool_call_ids(messages: list) -> list[str | None]:
+    """The call each tool message answers: Ollama's messages name no ids, so the earlier assistant message's
+    calls are answered in order (a template that renders results by id, as Mistral's, needs one)."""
+    ids, pending = [], []
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            pending = [_call_id(c, i, j) for j, c in enumerate(m.tool_calls or ())]
+        ids.append(pending.pop(0) if m.role == "tool" and pending else None)
+    return ids
+
+
+def _call_id(call, i: int, j: int) -> str:
+    return call.id or f"call_{i}_{j}"
+
+
+def _start(http: HttpRequest, body, prompt: list[int], reader: ReplyReader, tools_offered: bool = False) -> Sequence:
     """Submit the prompt with the request's options; `num_ctx` bounds the prompt and its reply together."""
     engine = generation.engine_of(http)
     o = body.options
@@ -82,99 +92,18 @@ def _start(http: HttpRequest, body, prompt: list[int], tools_offered: bool = Fal
                                  param="options.num_ctx")
         room = num_ctx - len(prompt)
         max_tokens = room if max_tokens is None else min(room, max_tokens)
-    params = o.sampling(max_tokens, _grammar(http, body, tools_offered))
+    params = reader.sampling(o.sampling(max_tokens, _grammar(http, body, tools_offered)))
     generation.check_stops(http, params.stop, "options.stop")
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params, resend=True)[0]
-
-
-def _figures(req: Sequence, f: Finished) -> dict:
-    """The end's figures, in nanoseconds; load_duration is 0: the model was loaded when the server started."""
-    def ns(seconds: float) -> int:
-        return max(0, int(seconds * 1e9))
-
-    end = time.monotonic()
-    first = req.first_token_at or end
-    return {"done_reason": REASONS[f.reason], "total_duration": ns(end - req.arrival), "load_duration": 0,
-            "prompt_eval_count": f.prompt_tokens, "prompt_eval_duration": ns(first - (req.admitted_at or req.arrival)),
-            "eval_count": f.completion_tokens, "eval_duration": ns((req.last_token_at or first) - first)}
-
-
-class _Reply:
-    """One request's reply as Ollama objects: its text piece by piece, then the end with its figures.
-    A chat offered tools streams its content past the calls' markup and sends the calls at the end."""
-
-    def __init__(self, http: HttpRequest, req: Sequence, model: str, chat: bool, names: set[str],
-                 prompt: list[int] | None = None) -> None:
-        self.http, self.req, self.model, self.chat, self.names, self.prompt = http, req, model, chat, names, prompt
-        self.calls = ToolCallStream(names, False) if names else None
-
-    def _object(self, text: str, done: bool, tool_calls: list[dict] | None = None) -> dict:
-        if self.chat:
-            message = {"role": "assistant", "content": text, **({"tool_calls": tool_calls} if tool_calls else {})}
-            return {"model": self.model, "created_at": _now(), "message": message, "done": done}
-        return {"model": self.model, "created_at": _now(), "response": text, "done": done}
-
-    def _end(self, f: Finished, text: str, tool_calls: list[dict]) -> dict:
-        out = {**self._object(text, True, tool_calls), **_figures(self.req, f)}
-        if self.prompt is not None:  # /api/generate: the history to send back as `context`, to continue it
-            out["context"] = self.prompt + generation.engine_of(self.http).tokenizer.encode(f.output, add_special=False)
-        return out
-
-    def _tool_calls(self, output: str) -> tuple[str, list[dict]]:
-        content, calls = tools.parse_tool_calls(output, self.names)
-        return content or "", [{"function": {"name": c["function"]["name"],
-                                             "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
-
-    def whole(self, f: Finished) -> dict:
-        return self._end(f, *self._tool_calls(f.output))
-
-    def piece(self, text: str) -> dict | None:
-        if self.calls is not None:
-            text, _ = self.calls.feed(text)  # a call's markup is held back: its call comes whole, at the end
-        return self._object(text, False) if text else None
-
-    def last(self, f: Finished) -> list[dict]:
-        tail = (f.last.text if f.last is not None else "") + f.text
-        out = [p for p in [self.piece(tail)] if p]
-        if self.calls is None:
-            return [*out, self._end(f, "", [])]
-        rest, _ = self.calls.finish()
-        _, calls = self._tool_calls(f.output)
-        return [*out, *([self._object(rest, False)] if rest else []), self._end(f, "", calls)]
-
-    async def lines(self):
-        async for event in generation.events(self.http, self.req, watch_disconnect=False):
-            if isinstance(event, TokenEvent):
-                piece = self.piece(event.text) if event.text else None
-                if piece is not None:
-                    yield _line(piece)
-                continue
-            if event.error is not None:
-                err = event.error
-                yield _line(error_body(err if isinstance(err, ApiError) else ApiError(str(err))))
-                return
-            for obj in self.last(event):
-                yield _line(obj)
-
-
-def _line(obj: dict) -> str:
-    return json.dumps(obj, ensure_ascii=False) + "\n"
-
-
-async def _respond(reply: _Reply, stream: bool):
-    if stream:
-        return StreamingResponse(reply.lines(), media_type=NDJSON, headers=generation.SSE_HEADERS)
-    _, finished = await generation.collect(reply.http, reply.req)
-    return reply.whole(finished)
 
 
 def _loaded(model: str, chat: bool, stream: bool, unload: bool):
     """Ollama's answer to a request with nothing to generate from: the model is loaded (clients warm it so),
     or, under keep_alive 0, unloaded (clients free it so; here it stays loaded for the server's life)."""
-    out = {"model": model, "created_at": _now(), **({"message": {"role": "assistant", "content": ""}} if chat
+    out = {"model": model, "created_at": now(), **({"message": {"role": "assistant", "content": ""}} if chat
                                                      else {"response": ""}), "done": True,
            "done_reason": "unload" if unload else "load"}
-    return StreamingResponse(iter([_line(out)]), media_type=NDJSON) if stream else out
+    return StreamingResponse(iter([line(out)]), media_type=NDJSON) if stream else out
 
 
 def _no_images(images: list | None, param: str) -> None:
@@ -187,19 +116,21 @@ async def chat(body: OllamaChatRequest, http: HttpRequest):
     _check_model(http, body.model)
     for i, m in enumerate(body.messages):
         _no_images(m.images, f"messages.{i}.images")
+    variables = _template_variables(http, body)
     if not body.messages:
         return _loaded(body.model, True, body.stream, body.unloads)
     tok = generation.engine_of(http).tokenizer
     as_openai = ChatCompletionRequest(messages=[{
-        "role": m.role, "content": m.content or "",
-        "tool_calls": [{"id": c.id or f"call_{j}", "function": {"name": c.function.name,
-                                                              "arguments": json.dumps(c.function.arguments)}}
+        "role": m.role, "content": m.content or "", "reasoning_content": m.thinking, "tool_call_id": answers,
+        "tool_calls": [{"id": _call_id(c, i, j), "function": {"name": c.function.name,
+                                                            "arguments": json.dumps(c.function.arguments)}}
                        for j, c in enumerate(m.tool_calls)] if m.tool_calls else None,
-    } for m in body.messages], tools=body.tools or None)
-    prompt = openai.chat_prompt(tok, as_openai)
-    names = tools.offered_names(as_openai)
-    req = _start(http, body, prompt, tools_offered=bool(names))
-    return await _respond(_Reply(http, req, body.model, True, names), body.stream)
+    } for i, (m, answers) in enumerate(zip(body.messages, _tool_call_ids(body.messages)))],
+        tools=body.tools or None, chat_template_kwargs=variables)
+    rendered = chat_render.render_chat(tok, as_openai)
+    reader = rendered.reader if body.format in (None, "") else rendered.reader.constrained()
+    req = _start(http, body, rendered.ids, reader, tools_offered=bool(reader.names))
+    return await respond(OllamaReply(http, req, body.model, True, reader), body.stream)
 
 
 @router.post("/api/generate", responses=STREAMED)
@@ -210,19 +141,24 @@ async def generate(body: OllamaGenerateRequest, http: HttpRequest):
         raise InvalidRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.template:
         raise InvalidRequest("template is not supported: kvserve renders the model's own chat template", param="template")
+    variables = _template_variables(http, body)
     if not body.prompt and not body.context:
         return _loaded(body.model, False, body.stream, body.unloads)
     tok = generation.engine_of(http).tokenizer
     context = list(body.context or [])
+    reader = ReplyReader()  # a raw prompt is the client's own: no template says how its reply thinks
     if body.raw:
         prompt = tok.encode(body.prompt or "", add_special=not context)
     else:
         turn = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt or ""}]
-        prompt = tok.encode(tok.apply_chat_template(turn, True), add_special=False)
+        text = chat_template.render(tok, turn, True, None, variables)
+        prompt = tok.encode(text, add_special=False)
+        reader = chat_render.prompt_reader(tok, text)
     prompt = context + prompt
-    req = _start(http, body, prompt)
-    return await _respond(_Reply(http, req, body.model, False, set(), prompt), body.stream)
+    reader = reader if body.format in (None, "") else reader.constrained()
+    req = _start(http, body, prompt, reader)
+    return await respond(OllamaReply(http, req, body.model, False, reader, prompt), body.stream)
 
 
 def _parameter_count(c) -> int:
@@ -234,17 +170,17 @@ def _parameter_count(c) -> int:
 
 
 def _describe(http: HttpRequest) -> dict:
-    """The served model as /api/tags lists it; its size is estimated from its weights' count and format."""
+    """The served model as /api/tags lists it: its size is its weights' bytes as held."""
     model = generation.engine_of(http).model
     name, count = model_names.tagged(http.app.state.config.model_name), _parameter_count(model.config)
     digest = model.fingerprint or hashlib.sha256(f"{model.name}/{model.weights}".encode()).hexdigest()
     size = f"{count / 1e9:.1f}B" if count >= 1e9 else f"{count / 1e6:.2f}M"
     details = {"parent_model": "", "format": "kvserve", "family": model.config.architecture,
                "families": [model.config.architecture], "parameter_size": size,
-               "quantization_level": {"q4": "Q4_1"}.get(model.weights, model.weights.upper())}
+               "quantization_level": model.quantization()}
     modified = datetime.datetime.fromtimestamp(http.app.state.started, datetime.timezone.utc).isoformat()
     return {"name": name, "model": name, "modified_at": modified.replace("+00:00", "Z"),
-            "size": int(count * BYTES_PER_WEIGHT.get(model.weights, 4.0)), "digest": digest, "details": details}
+            "size": model.held_bytes or 4 * count, "digest": digest, "details": details}
 
 
 @router.get("/api/tags")
@@ -271,7 +207,9 @@ async def show(body: OllamaShowRequest, http: HttpRequest) -> dict:
     return {"modelfile": f"# served by kvserve\nFROM {engine.model.name}\n"
                          + "".join(f"PARAMETER {k} {v}\n" for k, v in DEFAULTS.items()),
             "parameters": parameters, "template": template, "details": described["details"], "model_info": info,
-            "capabilities": ["completion", "tools"], "modified_at": described["modified_at"]}
+            "capabilities": ["completion", "tools", *(["thinking"] if chat_template.thinks(engine.tokenizer) else [])],
+            "modified_at": described["modified_at"],
+            "tensor_types": dict(engine.model.held)}
 
 
 @router.get("/api/ps")

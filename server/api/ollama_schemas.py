@@ -111,7 +111,7 @@ class _OllamaRequest(_Body):
     options: OllamaOptions = OllamaOptions()
     format: Literal["", "json"] | dict[str, Any] | None = None  # "json": any object; an object: its JSON schema
     keep_alive: KeepAlive = None
-    think: bool | Literal["low", "medium", "high"] | None = None
+    think: bool | Literal["low", "medium", "high"] | None = None  # the template's thinking switch (ollama.py)
     session_id: str | None = None
 
     @property
@@ -122,12 +122,6 @@ class _OllamaRequest(_Body):
         if not isinstance(self.keep_alive, str):
             return self.keep_alive == 0
         return sum(float(n) * _SECONDS[unit] for n, unit in re.findall(_DURATION_PART, self.keep_alive)) == 0
-
-    @model_validator(mode="after")
-    def _no_thinking(self):
-        if self.think not in (None, False):
-            raise ValueError("'think' is not supported: this model does not think")
-        return self
 
 
 class OllamaFunctionCall(_Body):
@@ -148,7 +142,7 @@ class OllamaMessage(_Body):
     images: list[str] | None = None
     tool_calls: list[OllamaToolCall] | None = None  # an assistant's earlier calls
     tool_name: str | None = None  # the call a tool message answers (the Hermes format does not name it)
-    thinking: str | None = None  # an earlier reply's thinking: templates drop it from the history
+    thinking: str | None = None  # an earlier reply's thinking: its reasoning_content, for templates that keep it
 
 
 class OllamaChatRequest(_OllamaRequest):

@@ -10,29 +10,18 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 
-from models.tokenizer import ChatTemplateError, TextTokenizer
+from models.tokenizer import TextTokenizer
 
 from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest, NotFound, quoted
-from . import generation, model_names, tools
+from . import chat_choices, chat_render, generation, model_names, tools
 from .choice_stream import OPENAI_REASONS, ChoiceStream, usage
-from .tool_stream import ToolCallStream
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from .tokenize_schemas import TokenizeRequest
 
 router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
-
-
-def _finish_reason(reason: str, calls: int) -> str:
-    """A reply with complete tool calls finishes with tool_calls, unless max_tokens or its deadline cut it."""
-    return "tool_calls" if calls and reason not in ("length", "timeout") else OPENAI_REASONS[reason]
-
-
-def _delta(content: str | None, tool_calls: list[dict]) -> dict:
-    """A streamed chat delta: its text and its tool-call deltas, each only if there are any."""
-    return {**({"content": content} if content else {}), **({"tool_calls": tool_calls} if tool_calls else {})}
 
 
 def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
@@ -113,11 +102,6 @@ def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, lo
     return params
 
 
-def _start(http: HttpRequest, body: _OpenAISampling, prompt: list[int], max_tokens: int | None,
-           logprobs: int | None, tool_functions: list[dict] | None = None) -> list[Sequence]:
-    return _start_prompts(http, body, [prompt], _params(http, body, max_tokens, logprobs, tool_functions))
-
-
 def _start_prompts(http: HttpRequest, body: _OpenAISampling, prompts: list[list[int]],
                    params: SamplingParams) -> list[Sequence]:
     """Each prompt's n choices, in order (choice index = prompt index * n + choice). A prompt refused
@@ -140,12 +124,7 @@ def _start_prompts(http: HttpRequest, body: _OpenAISampling, prompts: list[list[
 
 def chat_prompt(tok: TextTokenizer, body: ChatCompletionRequest | TokenizeRequest, add_special: bool = False) -> list[int]:
     """The prompt ids of a chat: its messages and tools through the chat template (the chat route's and /tokenize's)."""
-    messages, template_tools = tools.chat_messages(body, tok.template_has_tools)
-    try:
-        text = tok.apply_chat_template(messages, body.add_generation_prompt, template_tools)
-    except ChatTemplateError as e:  # the template's own checks, on roles and their order
-        raise InvalidRequest(str(e), param="messages") from None
-    return tok.encode(text, add_special=add_special)
+    return chat_render.render_chat(tok, body, add_special).ids
 
 
 def _chat_logprobs(tok, events: list[TokenEvent]) -> dict:
@@ -243,43 +222,23 @@ async def completions(body: CompletionRequest, http: HttpRequest):
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     tok = generation.engine_of(http).tokenizer
-    prompt = chat_prompt(tok, body)
+    rendered = chat_render.render_chat(tok, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    forced = tools.forced_tools(body)
-    reqs = _start(http, body, prompt, max_tokens, logprobs, forced)
-    names = tools.offered_names(body)
+    params = _params(http, body, max_tokens, logprobs, tools.forced_tools(body))
+    reader = rendered.reader if params.grammar is None else rendered.reader.constrained()
+    reqs = _start_prompts(http, body, [rendered.ids], reader.sampling(params))
     if body.stream:
-        calls = [ToolCallStream(names, forced is not None) if names else None for _ in reqs]
-
-        def choice(i, text, event, reason, first=False):
-            if first:
-                return {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            deltas: list[dict] = []
-            if calls[i] is not None:
-                text, deltas = calls[i].feed(text or "")
-            if not text and not deltas and event is None and reason is None:
-                return None
-            lp = _chat_logprobs(tok, [event]) if event is not None else None
-            return {"index": i, "delta": _delta(text, deltas), "logprobs": lp, "finish_reason": reason}
-
-        def final(i, f: Finished):
-            if calls[i] is None:
-                return [choice(i, f.text, None, OPENAI_REASONS[f.reason])]
-            last = choice(i, f.text, None, None)
-            delta = _delta(*calls[i].finish())
-            out = [c for c in (last, {"index": i, "delta": delta, "logprobs": None, "finish_reason": None} if delta else None) if c]
-            return [*out, {"index": i, "delta": {}, "logprobs": None, "finish_reason": _finish_reason(f.reason, calls[i].complete)}]
-
-        return StreamingResponse(ChoiceStream(http, reqs, body, "chat", choice, body.logprobs, final).__aiter__(),
-                                 media_type="text/event-stream", headers=generation.SSE_HEADERS)
+        streamed = chat_choices.StreamedChoices(reader, len(reqs), lambda event: _chat_logprobs(tok, [event]))
+        stream = ChoiceStream(http, reqs, body, "chat", streamed.choice, body.logprobs, streamed.final)
+        return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)
     results = await _collect_all(http, reqs)
     choices = []
     for events, f in results:
-        content, calls = tools.parse_tool_calls(f.output, names, forced is not None)
-        message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-        choices.append({"message": message, "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
-                        "finish_reason": _finish_reason(f.reason, len(calls))})
+        reply = reader.parse([f.output])
+        choices.append({"message": chat_choices.message(reader, reply),
+                        "logprobs": _chat_logprobs(tok, events) if body.logprobs else None,
+                        "finish_reason": chat_choices.finish_reason(f.reason, len(reply.calls))})
     return _response(http, "chat", [f for _, f in results], choices, body.n)
 
 
@@ -290,6 +249,7 @@ def _model(http: HttpRequest, name: str) -> dict:
         "created": http.app.state.started,
         "owned_by": "kvserve",
         "max_model_len": generation.engine_of(http).max_context,
+        "tensor_types": dict(generation.engine_of(http).model.held),  # what it holds, as stored unless --weights asked
     }
 
 

@@ -21,7 +21,7 @@ class OutputStream:
 
     def __init__(self, tokenizer, req: Sequence, end_at: Callable[[int], None]) -> None:
         self.req, self.end_at = req, end_at  # end_at(kept): end the request after its first `kept` tokens
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special=req.params.skip_special_tokens)
         self.stops = StopMatcher(req.params.stop, req.params.stop_repeats)
         self.text = ""
         self.n_tokens = 0

@@ -8,6 +8,9 @@ blocks: one response continued twice gives two independent branches) and sends t
 re-rendered from its items, with resend: the engine keeps the common prefix of its KV, so only the new
 turn is prefilled, and the prompt is exactly the one a fresh request over the whole conversation sends.
 As OpenAI does, a previous response's `instructions` are not carried over.
+
+A model that thinks gives a `reasoning` item (its think block, as reasoning_text content) before its
+message, and its tokens are counted as reasoning tokens; `reasoning.effort` "none" turns thinking off.
 """
 from __future__ import annotations
 
@@ -21,62 +24,25 @@ from typing import Literal
 from fastapi import APIRouter, Query
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from ..engine.sequence import Finished, Sequence, TokenEvent
 from ..engine.session import Session
-from ..errors import InvalidRequest, NotFound, quoted
-from . import generation, openai, tools
+from ..errors import NotFound, quoted
+from . import chat_render, chat_template, generation, openai, tools
+from .reply import ReplyReader
+from .responses_chat import chat_request
 from .responses_errors import ERROR_RESPONSES
 from .responses_items import check_call_outputs, input_items
 from .responses_records import is_stored_response
 from .responses_restart import settle
 from .responses_schemas import NamedFunction, ResponseRequest
-from .responses_stream import ResponseEvents, call_item, message_item, new_id
-from .schemas import ChatCompletionRequest
+from .responses_stream import ResponseEvents, call_item, message_item, new_id, reasoning_item
 
 router = APIRouter(prefix="/v1/responses", tags=["responses"], responses=ERROR_RESPONSES)
 log = logging.getLogger("kvserve.responses")
 
 INCOMPLETE = {"length": "max_output_tokens", "timeout": "timeout", "cancelled": "cancelled", "unmet": "constraint_unmet",
               "shutdown": "server_shutdown"}
-
-
-def chat_request(body: ResponseRequest, conversation: list[dict]) -> ChatCompletionRequest:
-    """The chat completion the request amounts to: the conversation as messages, its tools and its format."""
-    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    for item in conversation:
-        if item["type"] == "message":
-            messages.append({"role": item["role"], "content": "".join(p["text"] for p in item["content"])})
-        elif item["type"] == "function_call":
-            call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant":  # calls join the reply's text they came with
-                messages[-1].setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        else:
-            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
-    fmt = body.text.format if body.text is not None and body.text.format is not None else None
-    fmt = None if fmt is None or fmt.type == "text" else fmt
-    choice = body.tool_choice
-    if fmt is not None and body.tools and choice not in (None, "auto", "none"):
-        raise InvalidRequest("a forced tool_choice and a text.format other than text cannot both constrain the output",
-                             param="text.format")
-    response_format = None if fmt is None else {"type": fmt.type}
-    if fmt is not None and fmt.type == "json_schema":
-        if fmt.schema_ is None:
-            raise InvalidRequest("text.format json_schema needs a schema", param="text.format.schema")
-        response_format["json_schema"] = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
-    functions = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                 for t in body.tools or []]
-    if isinstance(choice, NamedFunction):
-        choice = {"type": "function", "function": {"name": choice.name}}
-    try:
-        return ChatCompletionRequest(messages=messages, tools=functions or None, tool_choice=choice,
-                                     parallel_tool_calls=body.parallel_tool_calls, response_format=response_format,
-                                     temperature=body.temperature, top_p=body.top_p)
-    except ValidationError as e:
-        raise InvalidRequest(f"the conversation is not a valid chat: {e.errors()[0]['msg']}", param="input") from None
 
 
 @dataclass
@@ -87,11 +53,11 @@ class _Run:
     body: ResponseRequest
     history: list[dict]  # the conversation before this turn (the previous response's)
     turn: list[dict]  # this turn's input items
-    names: set[str] = field(default_factory=set)  # the functions it may call (none: its text is all content)
-    forced: bool = False  # tool_choice makes it call one
+    reader: ReplyReader = ReplyReader()  # how its reply is read: think block, and calls of the functions offered
     id: str = field(default_factory=lambda: new_id("resp_"))
     created_at: int = field(default_factory=lambda: int(time.time()))
     session: Session | None = None
+    reasoning_tokens: int = 0  # of its output, once read
 
     def response(self, status: str, output: list[dict], f: Finished | None = None, error: str | None = None) -> dict:
         body = self.body
@@ -107,13 +73,14 @@ class _Run:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": self.http.app.state.config.model_name, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": body.reasoning.summary if body.reasoning else None}, "store": body.store,
             "temperature": body.temperature if body.temperature is not None else 1.0,
             "text": {"format": fmt}, "tool_choice": choice or "auto",
             "tools": [t.model_dump() for t in body.tools or []],
             "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
             "top_logprobs": body.top_logprobs,
-            "usage": _usage(f) if f is not None and f.error is None else None,
+            "usage": _usage(f, self.reasoning_tokens) if f is not None and f.error is None else None,
             "user": body.user, "metadata": body.metadata or {},
         }
 
@@ -137,9 +104,9 @@ class _Run:
             engine.pool.persist(self.session)
 
 
-def _usage(f: Finished) -> dict:
+def _usage(f: Finished, reasoning_tokens: int) -> dict:
     return {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": f.cached_tokens},
-            "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": f.prompt_tokens + f.completion_tokens}
 
 
@@ -168,15 +135,15 @@ def _stored(http: HttpRequest, response_id: str, param: str = "response_id") -> 
 def _start(run: _Run, previous: Session | None) -> Sequence:
     http, body = run.http, run.body
     engine = generation.engine_of(http)
-    chat = chat_request(body, [*run.history, *run.turn])
-    prompt = openai.chat_prompt(engine.tokenizer, chat)
+    chat = chat_request(body, [*run.history, *run.turn], chat_template.thinks(engine.tokenizer))
+    rendered = chat_render.render_chat(engine.tokenizer, chat)
+    prompt = rendered.ids
     forced = tools.forced_tools(chat)
     grammar = openai.output_grammar(engine.grammars, chat, forced)
     vocab = engine.model.config.vocab_size
-    params = openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar,
-                                  forced is not None)
-    run.names = tools.offered_names(chat)
-    run.forced = forced is not None
+    run.reader = rendered.reader if grammar is None else rendered.reader.constrained()
+    params = run.reader.sampling(openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar,
+                                                      forced is not None))
     if not body.store:
         return generation.start(http, None, prompt, params, resend=True)[0]
     owner = generation.owner_of(http)
@@ -222,18 +189,27 @@ def _logprobs(run: _Run, tokens: list[TokenEvent]) -> list[dict]:
 
 
 def _output(f: Finished, run: _Run, tokens: list[TokenEvent]) -> list[dict]:
-    """A whole reply as output items: its text as a message, and its complete calls (one cut short is dropped).
-    The text carries its logprobs if asked, where its tokens are all text (no tools offered: ResponseEvents)."""
+    """A whole reply as output items: its reasoning, its text as a message, and its complete calls (one cut
+    short is dropped). The text carries its logprobs if asked, where its tokens are all text (ResponseEvents)."""
     status = "incomplete" if f.reason in INCOMPLETE else "completed"
-    content, calls = tools.parse_tool_calls(f.output, run.names, run.forced)
-    scores = _logprobs(run, tokens) if run.body.logprobs is not None and not run.names else None
-    kept = content is not None or not (calls or run.forced)
-    items = [message_item(content or "", status, logprobs=scores)] if kept else []
-    return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    reply = run.reader.parse([t.text for t in tokens] + [f.text])
+    run.reasoning_tokens = reply.reasoning_tokens
+    scores = _logprobs(run, tokens) if run.body.logprobs is not None and run.reader.plain else None
+    kept = reply.content is not None or not (reply.calls or run.reader.forced or reply.reasoning)
+    closed = reply.content is not None or bool(reply.calls)  # the think block ended before the reply did
+    items = [reasoning_item(reply.reasoning, "completed" if closed else status, summarised=_summarised(run))
+             ] if reply.reasoning else []
+    items += [message_item(reply.content or "", status, logprobs=scores)] if kept else []
+    return items + [call_item(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in reply.calls]
+
+
+def _summarised(run: _Run) -> bool:
+    r = run.body.reasoning
+    return r is not None and (r.summary or r.generate_summary) is not None
 
 
 async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
-    events = ResponseEvents(run.names, run.forced, run.body.logprobs is not None)
+    events = ResponseEvents(run.reader, run.body.logprobs is not None, _summarised(run))
     scored = events.scored
     start = run.response("in_progress", [])
     yield events.event("response.created", response=start)
@@ -257,6 +233,7 @@ async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
             status = "incomplete" if event.reason in INCOMPLETE else "completed"
             for chunk in events.finish(status):
                 yield chunk
+            run.reasoning_tokens = events.reasoning_tokens
             ended = True
             final = run.end(event, events.output(), status)
             yield events.event(f"response.{status}", response=final)

@@ -22,6 +22,10 @@ def input_items(value: str | list) -> list[dict]:
                         "content": parts})
         elif item.type == "function_call":
             out.append(call_item(item.call_id, item.name, item.arguments, item_id=item.id))
+        elif item.type == "reasoning":
+            out.append({"id": item.id or new_id("rs_"), "type": "reasoning", "status": "completed",
+                        "summary": [p.model_dump() for p in item.summary],
+                        "content": [p.model_dump() for p in item.content or []]})
         else:
             output = item.output if isinstance(item.output, str) else "".join(_part(p)["text"] for p in item.output)
             out.append({"id": item.id or new_id("fco_"), "type": "function_call_output", "status": "completed",

@@ -29,7 +29,11 @@ def _is_item(item: object) -> bool:
         return False
     kind = item.get("type")
     if kind == "message":
-        content = item.get("content")
-        return (item.get("role") in _ROLES and isinstance(content, list)
-                and all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in content))
+        return item.get("role") in _ROLES and _texts(item.get("content"))
+    if kind == "reasoning":
+        return _texts(item.get("content")) and _texts(item.get("summary"))
     return kind in _FIELDS and all(isinstance(item.get(name), str) for name in _FIELDS[kind])
+
+
+def _texts(parts: object) -> bool:
+    return isinstance(parts, list) and all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in parts)

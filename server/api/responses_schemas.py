@@ -56,6 +56,23 @@ class FunctionCallOutputItem(_Body):
     status: str | None = None
 
 
+class ReasoningText(_Body):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Body):
+    """An earlier reply's reasoning, sent back as it came: its text goes back into the chat as that reply's
+    reasoning (encrypted content, which only OpenAI can read, is dropped)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
 def _item_type(value: Any) -> str | None:
     """An item without a `type` is a message (OpenAI's EasyInputMessage)."""
     if isinstance(value, dict):
@@ -65,9 +82,10 @@ def _item_type(value: Any) -> str | None:
 
 Item = Annotated[
     Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-          Annotated[FunctionCallOutputItem, Tag("function_call_output")]],
+          Annotated[FunctionCallOutputItem, Tag("function_call_output")], Annotated[ReasoningItem, Tag("reasoning")]],
     Discriminator(_item_type),
 ]
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 class FunctionTool(_Body):
@@ -93,6 +111,16 @@ class TextFormat(_Body):
 
 class TextConfig(_Body):
     format: TextFormat | None = None
+
+
+class ReasoningConfig(_Body):
+    """effort "none": the template's thinking off (Qwen3's enable_thinking); another effort: on (not graded:
+    a model thinks or not); unset: the template's default. A summary asked for is the reasoning itself, whole:
+    kvserve does not summarise."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's older name
 
 
 # Every value OpenAI documents for `include`: each only adds fields to items of its kind, so each is taken,
@@ -124,6 +152,7 @@ class ResponseRequest(_Body):
     user: str | None = None
     include: Annotated[list[Includable], Field(max_length=64)] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None  # with include's logprobs: the runners-up a token
+    reasoning: ReasoningConfig | None = None
 
     @property
     def logprobs(self) -> int | None:
@@ -136,9 +165,9 @@ class ResponseRequest(_Body):
         if isinstance(items, list):
             for i, item in enumerate(items):
                 kind = _item_type(item)
-                if kind not in ("message", "function_call", "function_call_output"):
+                if kind not in ITEM_TYPES:
                     raise ValueError(f"input[{i}] is an item of type {kind!r}, which kvserve does not take (it takes "
-                                     "message, function_call and function_call_output items)")
+                                     f"{', '.join(ITEM_TYPES)} items)")
         return items
 
     @field_validator("tools", mode="before")

@@ -43,6 +43,8 @@ def _prompt_shape(value: Any) -> Any:
 
 
 StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP_STRINGS)]
+# vLLM's chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking, ...)
+TemplateVariables = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Any], Field(max_length=64)]
 
 
 # Fields that only annotate a request: accepted and ignored.
@@ -252,6 +254,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # the call a tool message answers
+    reasoning_content: str | None = None  # an earlier reply's reasoning, as this server (and vLLM) returned it
 
     def text(self) -> str:
         content = self.content
@@ -269,24 +272,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-
-
-class SessionCreate(_Body):
-    """`POST /v1/sessions` body."""
-
-    capacity: Annotated[int, Field(gt=0)] | None = None
-    sizing: Literal["static", "dynamic"] | None = None
-    id: Annotated[str, Field(min_length=22, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
-
-
-class SessionFork(_Body):
-    """`POST /v1/sessions/{id}/fork` body: the new session's id, if the client picks it."""
-
-    id: Annotated[str, Field(min_length=22, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")] | None = None
-
-
-class SessionRewind(_Body):
-    length: Annotated[int, Field(ge=0)]
+    chat_template_kwargs: TemplateVariables | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -7,7 +7,8 @@ from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 
 from . import generation
-from .schemas import ERROR_RESPONSES, SessionCreate, SessionFork, SessionRewind
+from .schemas import ERROR_RESPONSES
+from .sessions_schemas import SessionCreate, SessionFork, SessionRewind
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RESPONSES)
 

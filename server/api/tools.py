@@ -2,7 +2,8 @@
 parsed out of its text as `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks.
 
 A chat template that knows tools (it names `tools`) renders them itself; one that does not (SmolLM2's)
-gets them described in the system message. `tool_choice` "required" or a named function is enforced
+gets them described in the system message, in this format. Which tools are offered and forced is read here
+for every format; a template's own format (tool_formats/) may write earlier calls back its own way. `tool_choice` "required" or a named function is enforced
 by a grammar (constraints.Grammars.tool_calls), so the arguments always parse and match their schema.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidRequest
@@ -26,28 +28,33 @@ TOOLS_PROMPT = (
 )
 
 
-def chat_messages(body: ChatCompletionRequest, template_has_tools: bool) -> tuple[list[dict], list[dict] | None]:
-    """The messages as the chat template takes them, and the tools for a template that renders its own."""
+def chat_messages(body: ChatCompletionRequest, template_has_tools: bool,
+                  history: Callable[[ChatMessage], dict[str, Any]] | None = None) -> tuple[list[dict], list[dict] | None]:
+    """The messages as the chat template takes them (each through `history`, the tool format's way of writing
+    earlier calls and results; Hermes's by default), and the tools for a template that renders its own, in
+    transformers' shape ({"type": "function", "function": ...}: Mistral's templates read `tool.function`)."""
     tools = [t.function.model_dump(exclude_none=True) for t in body.tools or []] if offers_tools(body) else []
-    out = [plain_message(m) for m in body.messages]
+    out = [(history or plain_message)(m) for m in body.messages]
     if tools and not template_has_tools:
         described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0]["role"] == "system":
             out[0]["content"] += "\n\n" + described
         else:
             out.insert(0, {"role": "system", "content": described})
-    return out, (tools if tools and template_has_tools else None)
+    return out, ([{"type": "function", "function": t} for t in tools] if tools and template_has_tools else None)
 
 
 def plain_message(m: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template takes it: earlier tool calls and tool results in the Hermes format."""
+    """A message as the chat template takes it: earlier tool calls and tool results in the Hermes format, and
+    an earlier reply's reasoning as `reasoning_content` (Qwen3's template writes the latest turns' back)."""
     content = m.text()
     for call in m.tool_calls or []:
         content += f"{OPEN_TAG}\n" + json.dumps({"name": call.function.name, "arguments": _arguments(call.function.arguments)},
                                                 ensure_ascii=False) + "\n</tool_call>\n"
     if m.role == "tool":
         content = f"<tool_response>\n{content}\n</tool_response>"
-    return {"role": "system" if m.role == "developer" else m.role, "content": content}
+    out = {"role": "system" if m.role == "developer" else m.role, "content": content}
+    return {**out, "reasoning_content": m.reasoning_content} if m.reasoning_content else out
 
 
 def _arguments(text: str) -> Any:

@@ -50,6 +50,9 @@ class SamplingParams:
     mirostat: int = 0  # 1 or 2: llama.cpp's mirostat (mirostat.py), in place of the filters; 0: off
     mirostat_tau: float = 5.0  # the target surprisal, in bits
     mirostat_eta: float = 0.1  # how fast mu follows it
+    # False: the reply's text keeps control tokens (vLLM's skip_special_tokens), where a tool-call format's
+    # markers are ones (Mistral's [TOOL_CALLS]); the engine never reads it, the output stream does
+    skip_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:

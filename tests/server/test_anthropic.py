@@ -176,7 +176,7 @@ def test_count_tokens_counts_tools_and_a_prefill_continues_the_reply(client):
 
 
 @pytest.mark.parametrize("kw, why", [
-    ({"extra_body": {"thinking": {"type": "enabled", "budget_tokens": 1024}}}, "'thinking' is not a known field"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048}, "this model's chat template has no thinking"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]},
      "image inputs are not supported"),

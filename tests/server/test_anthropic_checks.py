@@ -60,9 +60,9 @@ def test_a_tool_result_answers_a_call_of_the_turn_before(client):
 
 
 def test_an_unknown_content_block_is_named(client):
-    refused(client, "content block 1 has type 'thinking'",
+    refused(client, "content block 1 has type 'search_result'",
             messages=[{"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                                   {"type": "thinking", "thinking": ""}]}])
+                                                   {"type": "search_result", "source": "x", "title": "x", "content": []}]}])
     refused(client, "content block 0.content.0 has type 'foo'",
             messages=[ASK, CALL, {"role": "user", "content": [{**result(), "content": [{"type": "foo"}]}]}])
     refused(client, "content block 0 has type 'image'", messages=[ASK],

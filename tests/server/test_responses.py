@@ -228,7 +228,7 @@ def test_store_false_keeps_no_session_and_other_keys_see_nothing(server):
      "image inputs are not supported"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "'web_search'"),
     ({"input": "Hi", "reasoning": {"effort": "high"}}, 400, "'reasoning'"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "item of type 'reasoning'"),
+    ({"input": [{"type": "web_search_call", "status": "completed"}]}, 400, "item of type 'web_search_call'"),
     ({"input": "Hi", "tool_choice": "required"}, 400, "tool_choice needs tools"),
     ({"input": "Hi", "previous_response_id": "resp_missing"}, 404, "resp_missing"),
     ({"input": "Hi", "model": "gpt-9"}, 404, "gpt-9"),

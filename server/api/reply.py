@@ -1,0 +1,94 @@
+"""How to read a reply: its think block (reasoning.py) first, then its tool calls in the model's format
+(tool_formats/), whole or piece by piece as it streams. Every dialect reads its replies through this."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..engine.sampling import SamplingParams
+from .reasoning import ReasoningStream
+from .tool_formats import ToolFormat, hermes
+
+
+@dataclass(frozen=True)
+class Reply:
+    reasoning: str | None  # None: no think block, or an empty one
+    content: str | None  # None: calls only, or a reply that never left its think block
+    calls: list[dict]  # complete calls, OpenAI-shaped
+    reasoning_tokens: int = 0  # pieces (tokens, when fed one each) that made the think block
+
+
+@dataclass(frozen=True)
+class ReplyReader:
+    """How to read the reply to one prompt (chat_render.py makes it from the model's chat template)."""
+
+    thinks: bool = False  # the template has think blocks: they are split off the reply
+    opened: bool = False  # the prompt ended inside one
+    names: frozenset[str] = frozenset()  # the functions the reply may call (none: no calls are read)
+    forced: bool = False  # a forced tool_choice's grammar wrote the reply: Hermes calls only
+    format: ToolFormat = hermes.FORMAT  # the format of the model's own calls
+
+    @property
+    def plain(self) -> bool:
+        """Whether the reply is all content, as it came."""
+        return not self.thinks and not self.names
+
+    def constrained(self) -> ReplyReader:
+        """A grammar writes the reply from its first token: it cannot be inside a think block the prompt opened."""
+        return dataclasses.replace(self, opened=False)
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        keep = bool(self.names) and not self.forced and self.format.keeps_special_tokens
+        return dataclasses.replace(params, skip_special_tokens=False) if keep else params
+
+    def _calls(self) -> ToolFormat:
+        return hermes.FORCED if self.forced else self.format
+
+    def parse(self, pieces: list[str]) -> Reply:
+        """A whole reply, from its text in the pieces it came in (its tokens', to count the reasoning's), or in one."""
+        thought = ReasoningStream(self.opened) if self.thinks else None
+        if thought is None:
+            reasoning, content = "", "".join(pieces)
+        else:
+            split = [thought.feed(piece) for piece in pieces] + [thought.finish()]
+            reasoning, content = "".join(r for r, _ in split), "".join(c for _, c in split)
+        calls = []
+        if self.names:
+            content, calls = self._calls().parse(content, set(self.names))
+        if thought is not None and thought.had_block and not content:
+            content = None  # a reply that never left its block (or said nothing after it)
+        return Reply(reasoning or None, content, calls, thought.reasoning_pieces if thought is not None else 0)
+
+    def stream(self) -> ReplyStream:
+        return ReplyStream(self)
+
+
+class ReplyStream:
+    """Feeds on a reply's text, a token's piece at a time; gives (reasoning, content, call deltas) to send."""
+
+    def __init__(self, reader: ReplyReader) -> None:
+        self.thought = ReasoningStream(reader.opened) if reader.thinks else None
+        self.calls = reader._calls().stream(set(reader.names)) if reader.names else None
+
+    @property
+    def complete(self) -> int:
+        """Complete calls so far."""
+        return self.calls.complete if self.calls is not None else 0
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.thought.reasoning_pieces if self.thought is not None else 0
+
+    def feed(self, text: str) -> tuple[str, str, list[dict]]:
+        reasoning, content = self.thought.feed(text) if self.thought is not None else ("", text)
+        if self.calls is None:
+            return reasoning, content, []
+        return (reasoning, *self.calls.feed(content))
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        reasoning, content = self.thought.finish() if self.thought is not None else ("", "")
+        if self.calls is None:
+            return reasoning, content, []
+        content, deltas = self.calls.feed(content)
+        rest, more = self.calls.finish()
+        return reasoning, content + rest, deltas + more

@@ -1,0 +1,23 @@
+"""Tool-call formats, one module each, and the table that picks a model's format from its chat template.
+
+Only a template that renders `tools` itself tells its model a format of its own: one that does not gets
+the tools described in the Hermes format (tools.py), so its replies are read in that format too.
+"""
+from __future__ import annotations
+
+from . import hermes, llama3_json, mistral
+from .base import ToolFormat
+
+# (text one of which the template holds, the format its model writes): the first that matches wins
+TABLE: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
+    (("[TOOL_CALLS]",), mistral.FORMAT),
+    (("<tool_call>",), hermes.FORMAT),
+    (("<|python_tag|>", "<|start_header_id|>"), llama3_json.FORMAT),  # Llama 3.1's and 3.2's templates
+)
+
+
+def format_for(template: str | None) -> ToolFormat:
+    """The format of the replies of a model with this chat template (Hermes unless the table says otherwise)."""
+    if not template or "tools" not in template:
+        return hermes.FORMAT
+    return next((fmt for markers, fmt in TABLE if any(m in template for m in markers)), hermes.FORMAT)

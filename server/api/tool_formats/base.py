@@ -1,0 +1,80 @@
+"""What a tool-call format is: how a reply's calls are parsed, whole and streamed, and how an earlier call
+and its result are written back into the chat the template renders."""
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..schemas import ChatMessage
+
+
+class CallStream(Protocol):
+    """A streamed reply's calls: feed(text) and finish() give (content to pass on, OpenAI call deltas)."""
+
+    calls: int  # calls begun
+    complete: int  # of which were complete
+
+    def feed(self, text: str) -> tuple[str, list[dict]]: ...
+
+    def finish(self) -> tuple[str, list[dict]]: ...
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    name: str
+    # a reply's text and the offered names -> (its content, or None; its complete calls of those names, OpenAI-shaped)
+    parse: Callable[[str, set[str]], tuple[str | None, list[dict]]]
+    stream: Callable[[set[str]], CallStream]  # the same, piece by piece
+    history: Callable[[ChatMessage], dict[str, Any]]  # an earlier message as the template takes it
+    # its markers are control tokens in its models' vocabularies: a reply offered tools keeps special tokens
+    # in its text, or they would vanish from it
+    keeps_special_tokens: bool = False
+
+
+def openai_call(name: str, arguments: Any) -> dict:
+    """A parsed call in OpenAI's shape: its arguments as JSON text (one given as text is taken as it is)."""
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": "call_" + secrets.token_hex(12), "type": "function", "function": {"name": name, "arguments": text}}
+
+
+def json_values(text: str) -> list[Any] | None:
+    """The JSON values `text` holds one after another (separated by whitespace or ';'), or None if it holds
+    anything else, or nothing."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+        if at == len(text):
+            return values or None
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+
+
+def arguments_value(text: str) -> Any:
+    """An earlier call's arguments as the template takes them: the object its JSON text holds."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def structured_message(m: ChatMessage, call_id: Callable[[str], str] = lambda i: i) -> dict[str, Any]:
+    """A message for a template that renders tool calls and results itself (Llama 3's, Mistral's): its calls
+    as `tool_calls` with their arguments as objects, a tool result bare with the call it answers, as
+    transformers passes them (the key only where there are calls: Llama 3's template tests for it)."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": call_id(c.id), "type": "function",
+                              "function": {"name": c.function.name, "arguments": arguments_value(c.function.arguments)}}
+                             for c in m.tool_calls]
+    if m.role == "tool" and m.tool_call_id:
+        out["tool_call_id"] = call_id(m.tool_call_id)
+    if m.reasoning_content:
+        out["reasoning_content"] = m.reasoning_content
+    return out

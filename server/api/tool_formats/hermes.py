@@ -1,0 +1,21 @@
+"""The Hermes format (Qwen2.5, Qwen3, Hermes and what kvserve describes to a template without tools):
+`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, parsed by tools.py and tool_stream.py. It is
+also the layout of a forced reply's grammar (constraints.Grammars.tool_calls), whatever the template."""
+from __future__ import annotations
+
+from .. import tools
+from ..tool_stream import ToolCallStream
+from .base import ToolFormat
+
+FORMAT = ToolFormat(
+    name="hermes",
+    parse=lambda text, names: tools.parse_tool_calls(text, names),
+    stream=lambda names: ToolCallStream(names, False),
+    history=tools.plain_message,
+)
+FORCED = ToolFormat(  # a reply a forced tool_choice's grammar wrote: calls only
+    name="hermes-forced",
+    parse=lambda text, names: tools.parse_tool_calls(text, names, True),
+    stream=lambda names: ToolCallStream(names, True),
+    history=tools.plain_message,
+)

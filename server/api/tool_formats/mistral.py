@@ -1,0 +1,72 @@
+"""Mistral's tool calls: `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects (v3 tokenizers),
+or `[TOOL_CALLS]name[ARGS]{...}` once for each call (v11 and later). Text before the first marker is
+content. The markers are control tokens in Mistral's vocabularies, so a reply offered tools keeps special
+tokens in its text (as vLLM decodes it), or they would vanish. Mistral's templates want the ids of earlier
+calls to be 9 letters or digits: other ids are written as 9 hex digits of their hash, the same for the
+call and for its result."""
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from ..reasoning import partial_tag
+from ..schemas import ChatMessage
+from .base import ToolFormat, json_values, openai_call, structured_message
+from .held_stream import HeldCallStream
+
+MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+
+
+def _calls(value: Any, names: set[str]) -> list[dict]:
+    """Calls of offered functions in a JSON list (or one object) of {"name", "arguments"}; others dropped."""
+    items = value if isinstance(value, list) else [value]
+    return [openai_call(v["name"], v.get("arguments", {})) for v in items
+            if isinstance(v, dict) and v.get("name") in names and isinstance(v.get("arguments", {}), dict)]
+
+
+def _named_call(chunk: str, names: set[str]) -> list[dict]:
+    name, _, arguments = chunk.partition(ARGS)
+    values = json_values(arguments)
+    name = name.strip()
+    ok = name in names and values is not None and len(values) == 1 and isinstance(values[0], dict)
+    return [openai_call(name, values[0])] if ok else []
+
+
+def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:
+    """Calls cut short or of unknown functions are dropped, never shown as content (as Hermes's are)."""
+    at = text.find(MARKER) if names else -1
+    if at < 0:
+        return text, []
+    calls = []
+    for chunk in text[at + len(MARKER):].split(MARKER):
+        if ARGS in chunk:
+            calls += _named_call(chunk, names)
+        else:
+            values = json_values(chunk)
+            calls += _calls(values[0], names) if values and len(values) == 1 else []
+    content = text[:at].strip() if calls else text[:at]
+    return content or None, calls
+
+
+def split(text: str, at_start: bool) -> tuple[int, bool]:
+    at = text.find(MARKER)
+    return (at, True) if at >= 0 else (len(text) - partial_tag(text, MARKER), False)
+
+
+def call_id(value: str) -> str:
+    return value if _MISTRAL_ID.fullmatch(value) else hashlib.sha256(value.encode()).hexdigest()[:9]
+
+
+def history(m: ChatMessage) -> dict[str, Any]:
+    return structured_message(m, call_id)
+
+
+FORMAT = ToolFormat(
+    name="mistral",
+    parse=parse,
+    stream=lambda names: HeldCallStream(names, split, parse),
+    history=history,
+    keeps_special_tokens=True,
+)

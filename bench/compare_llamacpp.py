@@ -1,9 +1,11 @@
 """kvserve against llama.cpp's llama-server, side by side: same GGUF, same threads, both up at once, each
 load taken in turns (the order reversed every round), in one window.
 
-    python bench/compare_llamacpp.py --server [--rounds 2] [--loads streams,prefill,multiturn,long]
-    make compare
+    python bench/compare_llamacpp.py --server [--file Q4_0] [--rounds 2] [--loads streams,prefill,multiturn,long]
+    make compare COMPARE_ARGS="--file Q4_K_M"
 
+Both servers load the same file (--file): SmolLM2-135M's own Q4_1, or that model requantized by
+llama-quantize (made once, beside it), or the random-weight 1B/3B files of bench/load_models.py.
 --server builds llama-server once (bench/llama_server.py) and runs it with `-np 32 -c 98304 -t 2
 --cont-batching`. The loads, all streamed and greedy:
 - streams: 1, 8 and 32 concurrent streams of distinct short prompts (output tok/s, ITL);
@@ -36,13 +38,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bandwidth  # noqa: E402
 import multiturn  # noqa: E402
 from launch import launched_server  # noqa: E402
-from llama_server import build, llama_server  # noqa: E402
+from llama_server import build, llama_server, tool  # noqa: E402
+from load_models import SHAPES, model_file  # noqa: E402
 from serve_bench import WORDS, make_requests, run_level, summary  # noqa: E402
 
 from models import DEFAULT_MODEL  # noqa: E402
 from models.catalog import fetch  # noqa: E402
+from tests.models.gguf_files import requantized_copy  # noqa: E402
 
 LOADS = ("streams", "prefill", "multiturn", "long")
+SERVED = "compared"  # the name kvserve serves the file under (llama-server takes any)
 
 
 def cpu_name() -> str:
@@ -60,7 +65,7 @@ def streams(url: str, args, rnd: int) -> dict:
     out = {}
     for c in (1, 8, 32):
         n, length = (4, 128) if c == 1 else (2 * c, 64)
-        report = asyncio.run(run_level(url, DEFAULT_MODEL, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
+        report = asyncio.run(run_level(url, SERVED, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
         out[f"{c}_streams"] = {"output_tok_s": report["output_tok_s"], "itl_p50_ms": report["itl_ms"].get("p50"),
                                "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"]}
     return out
@@ -69,7 +74,7 @@ def streams(url: str, args, rnd: int) -> dict:
 def prefill(url: str, args, rnd: int) -> dict:
     """A prompt of about args.prefill_tokens tokens, unseen by either server (seeded by round and server)."""
     rng = random.Random(f"{args.seed}-{rnd}-{url}")
-    body = {"model": DEFAULT_MODEL, "prompt": distinct_text(rng, args.prefill_tokens), "max_tokens": 1, "temperature": 0}
+    body = {"model": SERVED, "prompt": distinct_text(rng, args.prefill_tokens), "max_tokens": 1, "temperature": 0}
     start = time.perf_counter()
     r = httpx.post(url + "/v1/completions", json=body, timeout=600)
     wall = time.perf_counter() - start
@@ -79,7 +84,7 @@ def prefill(url: str, args, rnd: int) -> dict:
 
 
 def multi(url: str, args, rnd: int) -> dict:
-    load = argparse.Namespace(url=url, model=DEFAULT_MODEL, users=args.users, turns=args.turns, sessions=False,
+    load = argparse.Namespace(url=url, model=SERVED, users=args.users, turns=args.turns, sessions=False,
                               first_words=30, turn_words=20, output_len=48, seed=args.seed + rnd)
     report = asyncio.run(multiturn.run(load))
     return {"multiturn": {"output_tok_s": report["output_tok_s"], "failed": report["failed"],
@@ -96,13 +101,13 @@ def long(url: str, args, rnd: int) -> dict:
 
             async def warm(p):  # the history, sent once: what a chat's earlier turns leave behind
                 async with gate:
-                    r = await client.post(url + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": p, "max_tokens": 1})
+                    r = await client.post(url + "/v1/completions", json={"model": SERVED, "prompt": p, "max_tokens": 1})
                     r.raise_for_status()
                     return r.json()["usage"]["prompt_tokens"]
             return await asyncio.gather(*(warm(p) for p in prompts))
     lengths = asyncio.run(go())
     requests = [(p, args.long_output) for p in prompts]
-    report = asyncio.run(run_level(url, DEFAULT_MODEL, requests, args.long_users, None, 0))
+    report = asyncio.run(run_level(url, SERVED, requests, args.long_users, None, 0))
     return {"long": {"history_tokens": round(statistics.fmean(lengths)), "output_tok_s": report["output_tok_s"],
                      "itl_p50_ms": report["itl_ms"].get("p50"), "itl_p99_ms": report["itl_ms"].get("p99"),
                      "failed": report["failed"]}}
@@ -134,6 +139,19 @@ def ratios(kv: dict, ls: dict) -> dict:
     return out
 
 
+def compared_file(spec: str) -> Path:
+    """--file -> the GGUF path, made first if it is one of the named variants."""
+    own = fetch(DEFAULT_MODEL, quiet=True)
+    if spec == "Q4_1":
+        return own
+    if spec.split("-")[0] in SHAPES:
+        size, fmt = spec.split("-", 1)
+        return model_file(size, fmt)
+    if Path(spec).is_file():
+        return Path(spec)
+    return requantized_copy(own, own.parent / own.name.replace("Q4_1", spec), spec, tool("llama-quantize"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", action="store_true", help="against llama-server, built here once (the only mode)")
@@ -151,20 +169,23 @@ def main() -> int:
     ap.add_argument("--speculative", action="store_true",
                     help="kvserve drafts as it does by default; without it, both servers decode one token a step")
     ap.add_argument("--serve-args", default="", help="extra arguments for the launched kvserve")
+    ap.add_argument("--file", default="Q4_1", help="the GGUF both servers load: SmolLM2-135M's own Q4_1, that model "
+                    "requantized by llama-quantize (Q4_0, Q4_K_M, Q8_0, ...), 1b-Q4_K_M / 3b-Q4_K_M (random weights, "
+                    "bench/load_models.py), or a path")
     args = ap.parse_args()
     loads = [load for load in args.loads.split(",") if load]
     if unknown := set(loads) - set(LOADS):
         ap.error(f"unknown loads {sorted(unknown)}; choose from {','.join(LOADS)}")
-    gguf = fetch(DEFAULT_MODEL, quiet=True)
     binary = args.llama_server or build()
+    gguf = compared_file(args.file)
     read = bandwidth.measure(threads=(args.threads,))[str(args.threads)]
     runs: dict[str, list[dict]] = {"kvserve": [], "llama-server": []}
     with contextlib.ExitStack() as stack:
-        serve_args = args.serve_args.split() + ([] if args.speculative else ["--speculative", "off"])
-        urls = {"kvserve": stack.enter_context(launched_server(DEFAULT_MODEL, serve_args)),
+        serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
+        urls = {"kvserve": stack.enter_context(launched_server(str(gguf), serve_args)),
                 "llama-server": stack.enter_context(llama_server(binary, gguf, threads=args.threads))}
         for name, url in urls.items():  # first requests: route set-up and warm-up, not measured
-            httpx.post(url + "/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "Hello", "max_tokens": 4}, timeout=300)
+            httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)
         for rnd in range(args.rounds):
             order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
             results = {name: {} for name in urls}
@@ -175,7 +196,7 @@ def main() -> int:
             for name in urls:
                 runs[name].append(results[name])
     med = {name: medians(r) for name, r in runs.items()}
-    report = {"model": DEFAULT_MODEL, "gguf": gguf.name, "machine": cpu_name(), "threads": args.threads,
+    report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "machine": cpu_name(), "threads": args.threads,
               "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": read, "runs": runs, "median": med,
               "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
     one = med["kvserve"].get("1_streams", {}).get("output_tok_s")

@@ -4,7 +4,7 @@
 
 Each file is written once into the cache folder (bench-models/): Llama-3.2-1B's or -3B's shape, SmolLM2's
 tokenizer, numbers from a fixed seed, written as F16 with gguf-py, then quantized by llama.cpp's own
-llama-quantize. For each file and server it records the time from start to a healthy /health, the peak
+llama-quantize; 8b (Llama-3.1-8B's shape, Q4_K_M only) is written as random Q4_K and Q6_K blocks directly. For each file and server it records the time from start to a healthy /health, the peak
 RSS while loading (VmHWM) and the RSS at idle, then one greedy reply of --serve-tokens tokens (its
 tokens/s). kvserve is started cold (a cache folder without the file's artifact: it reads the GGUF and
 exports) and then warm (the artifact saved by the cold start).
@@ -39,9 +39,21 @@ SHAPES = {  # Llama-3.2's
 }
 
 
+# Q4_K_M's choice of types by tensor (llama-quantize gives Q6_K to half the attn_v and ffn_down; all of them here)
+Q4_K_M = {"token_embd": "Q4_K", "output": "Q6_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "*": "Q4_K"}
+
+
 def model_file(size: str, fmt: str) -> Path:
     folder = cache_dir() / "bench-models"
     folder.mkdir(parents=True, exist_ok=True)
+    if size == "8b":  # 16 GB of F16 to quantize: its Q4_K_M blocks are written as random blocks instead
+        assert fmt == "Q4_K_M", "the 8B file is Q4_K_M only"
+        out = folder / "llama-8b-random-Q4_K_M.gguf"
+        if not out.is_file():
+            write_llama_gguf(out.with_suffix(".tmp"), fetch("smollm2-135m-instruct"), types=Q4_K_M, seed=1, context=8192,
+                             tied=False, **SHAPES[size])
+            out.with_suffix(".tmp").rename(out)
+        return out
     f16 = folder / f"llama-{size}-random-F16.gguf"
     if not f16.is_file():
         tmp = f16.with_suffix(".tmp")

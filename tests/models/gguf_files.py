@@ -118,3 +118,31 @@ def llama_cpp_source() -> Path:
         shutil.rmtree(tree, ignore_errors=True)
         shutil.move(str(next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))), tree)
     return tree
+
+
+def requantized_copy(source: Path, out: Path, gguf_type: str, quantize: Path) -> Path:
+    """`source` as another GGUF type, the way a user makes one: every tensor written back as F16 (norms as
+    F32) with gguf-py, then llama.cpp's llama-quantize (the binary at `quantize`) to `gguf_type`."""
+    import gguf
+
+    if out.is_file():
+        return out
+    reader = gguf.GGUFReader(str(source))
+    f16 = out.with_name(out.stem + ".F16.tmp")
+    writer = gguf.GGUFWriter(str(f16), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        writer.add_key_value(name, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        writer.add_tensor(t.name, values.astype(np.float16 if values.ndim > 1 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([str(quantize), str(f16), str(tmp), gguf_type, "2"], check=True, capture_output=True)
+    tmp.rename(out)
+    f16.unlink()
+    return out

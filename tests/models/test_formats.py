@@ -146,3 +146,21 @@ def test_bad_files_fail_clearly_without_a_traceback(tmp_path, tiny_files):
         result = run_cli("export", "--model", str(path), "--out", str(tmp_path / "out"))
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr
+
+
+def test_the_server_says_what_it_holds(tiny_files):
+    """The routes a user asks what is loaded: OpenAI's model list, Ollama's tags and show."""
+    import httpx
+
+    from tests.live_server import LiveServer
+
+    model = load_model(str(tiny_files["Q4_K_M"]), use_cache=False, weights="auto")
+    with LiveServer(model, name="tiny") as server:
+        listed = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+        assert listed["tensor_types"] == {"Q4_K": 10, "Q6_K": 5, "F32": 5}
+        tags = httpx.get(f"{server.url}/api/tags").json()["models"][0]
+        assert tags["details"]["quantization_level"] == "Q4_K" and tags["size"] == model.held_bytes
+        shown = httpx.post(f"{server.url}/api/show", json={"model": "tiny"}).json()
+        assert shown["tensor_types"] == listed["tensor_types"]
+        reply = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 5}).json()
+        assert reply["usage"]["completion_tokens"] == 5

@@ -120,6 +120,32 @@ def llama_cpp_source() -> Path:
     return tree
 
 
+def rewritten(source: Path, out: Path, drop: tuple[str, ...] = (), fields: dict | None = None) -> Path:
+    """`source` written again, without the tensors named in `drop`, its string fields in `fields` replaced
+    (such as general.architecture): the damaged files a user may have."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    fields = fields or {}
+    writer = gguf.GGUFWriter(str(out), fields.get("general.architecture", reader.fields["general.architecture"].contents()))
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        if name in fields:
+            writer.add_string(name, fields[name])
+        else:
+            writer.add_key_value(name, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    for t in reader.tensors:
+        if t.name not in drop:
+            quantized = t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type if quantized else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def requantized_copy(source: Path, out: Path, gguf_type: str, quantize: Path) -> Path:
     """`source` as another GGUF type, the way a user makes one: every tensor written back as F16 (norms as
     F32) with gguf-py, then llama.cpp's llama-quantize (the binary at `quantize`) to `gguf_type`."""

@@ -11,7 +11,7 @@ from models import ModelLoadError, load_model
 from models.formats import FORMATS
 from models.quant import LinearBlocks, model_kernels_available
 from models.stored import StoredTensor
-from tests.models.gguf_files import random_blocks, write_llama_gguf
+from tests.models.gguf_files import random_blocks, rewritten, write_llama_gguf
 from tests.models.test_models import PROMPT, Session, run_prompt
 
 pytestmark = pytest.mark.skipif(not model_kernels_available(), reason="no AVX2 CPU or compiler here")
@@ -142,7 +142,10 @@ def test_bad_files_fail_clearly_without_a_traceback(tmp_path, tiny_files):
     data = bytearray(good)
     data[-144 * 3 : -144 * 3 + 2] = np.array([np.inf], dtype=np.float16).tobytes()  # a block's d
     corrupt.write_bytes(bytes(data))
-    for path, message in ((truncated, "truncated"), (corrupt, "not a finite number")):
+    missing = rewritten(tiny_files["Q4_K"], tmp_path / "missing.gguf", drop=("blk.1.ffn_up.weight",))
+    mamba = rewritten(tiny_files["Q4_K"], tmp_path / "mamba.gguf", fields={"general.architecture": "mamba"})
+    for path, message in ((truncated, "truncated"), (corrupt, "not a finite number"),
+                          (missing, "missing ['layers.1.mlp.gate_up_proj.weight'"), (mamba, "unsupported GGUF architecture 'mamba'")):
         result = run_cli("export", "--model", str(path), "--out", str(tmp_path / "out"))
         assert result.returncode != 0 and message in result.stderr, result.stderr[-2000:]
         assert "Traceback" not in result.stderr

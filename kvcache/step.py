@@ -127,7 +127,8 @@ class ActiveStep:
             torch.ops.kvcache_native.unbind_step()
 
     # ---- the Python path -----------------------------------------------------------------------
-    def attend(self, q, k, v, position, layer_id: int, scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    def attend(self, q, k, v, position, layer_id: int, scale: float, out_dtype: torch.dtype, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
         if q.shape[0] != 1:
             raise CacheError(f"the token axis is flat: batch must be 1, got {q.shape[0]}")
         if layer_id == 0:
@@ -137,9 +138,9 @@ class ActiveStep:
         if self.native and not self._bound:
             self.bind()
         if self._bound:
-            out = torch.ops.kvcache_native.attend_bound(q.float(), k.float(), v.float(), layer_id, scale)
+            out = torch.ops.kvcache_native.attend_bound(q.float(), k.float(), v.float(), layer_id, scale, window, softcap)
         else:
-            out = self._attend_each(q, k, v, layer_id, scale)
+            out = self._attend_each(q, k, v, layer_id, scale, window, softcap)
             self._next_layer = layer_id + 1
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -170,14 +171,40 @@ class ActiveStep:
                     f"{start}..{start + n - 1}; got {span[:4]}{'...' if n > 4 else ''}"
                 )
 
-    def _attend_each(self, q, k, v, layer_id: int, scale: float) -> torch.Tensor:
+    def _attend_each(self, q, k, v, layer_id: int, scale: float, window: int, softcap: float) -> torch.Tensor:
         """Write and attend span by span with SDPA, over histories gathered from the blocks -> [1, H_q, S, D_v]."""
         outs = []
         for (cache, _), start, n in zip(self.spans, self.offsets, self.sizes):
             qi = q[:, :, start : start + n]  # [1, H_q, n, D]
             ki, vi = k[0, :, start : start + n], v[0, :, start : start + n]  # [H_kv, n, D]
-            outs.append(_attend(qi, *cache.write(layer_id, ki, vi), scale))
+            k_all, v_all = cache.write(layer_id, ki, vi)
+            if window > 0 or softcap > 0:
+                outs.append(_attend_windowed(qi, k_all, v_all, scale, window, softcap))
+            else:
+                outs.append(_attend(qi, k_all, v_all, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _attend_windowed(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float, window: int,
+                     softcap: float) -> torch.Tensor:
+    """_attend with a sliding window of `window` keys (0: none) and scores capped at +-softcap (0: none)."""
+    n, total = q.shape[2], k_all.shape[1]
+    # the keys before the first query's window are read by none of them
+    start = max(0, total - n - window + 1) if window > 0 else 0
+    k_all, v_all = k_all[:, start:].to(q.dtype), v_all[:, start:].to(q.dtype)  # [H_kv, T', D], [H_kv, T', D_v]
+    q_pos = torch.arange(total - n, total).unsqueeze(1)  # [n, 1]
+    k_pos = torch.arange(start, total).unsqueeze(0)  # [1, T']
+    mask = k_pos <= q_pos
+    if window > 0:
+        mask &= k_pos > q_pos - window  # [n, T']
+    if softcap <= 0:
+        return F.scaled_dot_product_attention(q, k_all.unsqueeze(0), v_all.unsqueeze(0), attn_mask=mask, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k_all.shape[0]
+    k_all, v_all = k_all.repeat_interleave(group, dim=0).float(), v_all.repeat_interleave(group, dim=0).float()  # [H_q, T', D]
+    scores = q[0].float() @ k_all.transpose(1, 2) * scale  # [H_q, n, T']
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v_all).unsqueeze(0).to(q.dtype)  # [1, H_q, n, D_v]
 
 
 def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:

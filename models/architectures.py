@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .blocks import Transformer
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
+from .gemma3 import Gemma2Transformer, Gemma3Transformer
 from .phi3 import Phi3Transformer
 from .qwen3 import Qwen3Transformer
 from .smollm3 import SmolLM3Transformer
@@ -16,10 +17,12 @@ from .smollm3 import SmolLM3Transformer
 DECODERS: dict[str, type[Transformer]] = {
     "llama": Transformer,
     "qwen2": Transformer,  # Llama's math with config.qkv_bias
-    "mistral": Transformer,  # Llama's math; a sliding window shorter than the context is refused
+    "mistral": Transformer,  # Llama's math, each layer attending through the config's window
     "qwen3": Qwen3Transformer,  # q and k RMS-normed per head before RoPE
     "smollm3": SmolLM3Transformer,  # some layers without RoPE
     "phi3": Phi3Transformer,  # RoPE on part of each head (Phi-4-mini)
+    "gemma3": Gemma3Transformer,  # Gemma's block, sliding and full layers, q/k norms
+    "gemma2": Gemma2Transformer,  # Gemma 3's without q/k norms, attention scores capped
 }
 assert set(DECODERS) == set(SUPPORTED_ARCHITECTURES), "every architecture a config may name builds a decoder"
 
@@ -51,13 +54,25 @@ GGUF_TENSOR_NAMES: dict[str, str] = {
 }
 # Where an architecture's files mean something else by a name. phi3 writes HF's fused gate_up_proj as
 # ffn_up [2 * ffn, dim], gate rows first (llama.cpp's fused swiglu activates the first half), and no ffn_gate.
+# Gemma's four norms a block: its ffn_norm is the norm before the feed-forward, which HF names
+# pre_feedforward_layernorm (its post_attention_layernorm follows the attention's output).
+_GEMMA_NORMS = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 GGUF_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
 }
 # Architectures whose q and k rows llama.cpp's converter permuted for its interleaved ("normal") RoPE, to
 # be undone on load (gguf_loader.unpermute_qk): LlamaModel and its subclasses with undo_permute = True,
 # SmolLM3Model among them. qwen2, qwen3 and phi3 use llama.cpp's NeoX RoPE, which is ours: not permuted.
 GGUF_PERMUTED_QK = frozenset({"llama", "smollm3"})
+# Architectures whose RMSNorm scales by 1 + weight: an HF folder's norm weights get the 1 added on load
+# (hf_loader), so the shared RMSNorm computes it. llama.cpp's converter adds it itself, so GGUF files hold 1 + w.
+HF_NORMS_OFFSET_BY_ONE = frozenset({"gemma2", "gemma3"})
 # Tensors a file may hold for math this project does not implement: loading one refuses the file.
 GGUF_REFUSED_TENSORS: dict[str, str] = {
     "rope_factors_long.weight": "longrope RoPE scaling (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported",

@@ -1,8 +1,10 @@
 """The decoder blocks every architecture shares, whose attention is kvcache::update_and_attend. Math only.
 
 Llama, Qwen2 and Mistral are these blocks as they are; qwen3.py, smollm3.py and phi3.py each change one step
-of them. The steps an architecture may change are `Attention.heads` (the projection's output -> rotated q,
-k and v heads) and `Transformer.make_block`.
+of them, and gemma3.py the block around the attention. The steps an architecture may change are
+`Attention.heads` (the projection's output -> rotated q, k and v heads) and `Transformer.make_block`.
+Each layer's attention window (Mistral's, Gemma's sliding layers), scale and score cap come from the config
+and go to the op with the layer's call.
 """
 from __future__ import annotations
 
@@ -52,6 +54,13 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n, 1] int64, inv_freq [R/2] -> cos, sin [n, R] in `dtype`, R the rotated dims of a head."""
+    angles = positions.float() * inv_freq  # [n, R/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [n, R]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE over the whole last dim: x [1, H, n, R], cos/sin [n, R]."""
     half = x.shape[-1] // 2
@@ -83,12 +92,15 @@ class QKVRotary(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over the session caches of the active step."""
+    """Grouped-query attention over the session caches of the active step, through the layer's window (0: the
+    whole history), scaled by head_dim ** -0.5 unless the config says otherwise, scores capped if it says so."""
 
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         c = config
         self.layer_id, self.n_heads, self.n_kv_heads, self.head_dim = layer_id, c.n_heads, c.n_kv_heads, c.head_dim
+        self.scale = c.attention_scale if c.attention_scale is not None else c.head_dim**-0.5
+        self.window, self.softcap = c.window(layer_id), c.attn_logit_softcap or 0.0
         # q, k and v projections fused into one matmul: one weight read and one op instead of three
         self.qkv_proj = nn.Linear(c.dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.rotary = QKVRotary(c.n_heads, c.n_kv_heads, c.head_dim)
@@ -101,7 +113,8 @@ class Attention(nn.Module):
     def forward(self, x, positions, cos, sin):
         n = x.shape[1]
         q, k, v = self.heads(self.qkv_proj(x), cos, sin)  # [1, H, n, D] each
-        out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.head_dim**-0.5, x.dtype)
+        out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.scale, x.dtype, self.window,
+                                                  self.softcap)
         out = out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim)  # [1, n, H_q * D]
         return self.o_proj(out)
 
@@ -179,10 +192,12 @@ class Transformer(nn.Module):
         """tokens [1, n] int64, positions [n, 1] int64, logits_indices [m] int64, hidden_indices [h] int64 ->
         (logits [m, vocab] float32, hidden [h, dim] float32: the final norm's output at those rows)."""
         x = self.embed_tokens(tokens)  # [1, n, dim]
-        angles = positions.float() * self.inv_freq  # [n, R/2], R the rotated dims of a head (all D but in phi3)
-        angles = torch.cat((angles, angles), dim=-1)  # [n, R]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)  # [n, R] each (R: all D but in phi3)
         x = self.layers(x, positions, cos, sin)[0]  # [n, dim]
+        return self.outputs(x, logits_indices, hidden_indices)
+
+    def outputs(self, x: torch.Tensor, logits_indices: torch.Tensor, hidden_indices: torch.Tensor):
+        """The last layer's x [n, dim] -> (logits [m, vocab] float32, hidden [h, dim] float32)."""
         logits = self.lm_head(self.norm(x.index_select(0, logits_indices))).float()  # [m, vocab]
         # the norm works row by row, so a row's hidden state does not depend on what shares its step; a
         # step without embedding rows selects none

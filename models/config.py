@@ -12,9 +12,12 @@ class UnsupportedModel(ValueError):
 
 
 # ModelConfig.architecture: architectures.DECODERS builds each one's decoder
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma2", "gemma3")
 # GGUF's general.architecture names; Mistral's files say "llama"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+# the decoders that honour ModelConfig.layer_windows, and the Gemma options
+WINDOWED_ARCHITECTURES = ("mistral", "gemma2", "gemma3")
+GEMMA_OPTIONS = ("rope_theta_local", "attention_scale", "final_logit_softcap", "attn_logit_softcap")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,14 @@ class ModelConfig:
     rope_dim: int | None = None
     # smollm3: the ids of the layers that apply no RoPE (HF's no_rope_layers flags are 0 there)
     layers_without_rope: tuple[int, ...] = ()
+    # mistral, gemma: each layer's attention window (0: the whole history; w: the token at position p attends
+    # positions p - w + 1 .. p, as transformers' sliding_window), one a layer; () when no layer has one
+    layer_windows: tuple[int, ...] = ()
+    # gemma: the RoPE base of the windowed layers, which take no rope_scaling (Gemma 3's rope_local_base_freq)
+    rope_theta_local: float | None = None
+    attention_scale: float | None = None  # gemma: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
+    final_logit_softcap: float | None = None  # gemma: logits -> c tanh(logits / c)
+    attn_logit_softcap: float | None = None  # gemma2: each scaled attention score -> c tanh(s / c)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -79,6 +90,21 @@ class ModelConfig:
                 raise UnsupportedModel(f"layers without RoPE are implemented for smollm3 only, not {self.architecture}")
             if not all(0 <= i < self.n_layers for i in self.layers_without_rope):
                 raise UnsupportedModel(f"layers_without_rope {self.layers_without_rope} name layers past {self.n_layers}")
+        if self.layer_windows:
+            if self.architecture not in WINDOWED_ARCHITECTURES:
+                raise UnsupportedModel(f"sliding-window attention is implemented for {', '.join(WINDOWED_ARCHITECTURES)} "
+                                       f"only, not {self.architecture}")
+            if len(self.layer_windows) != self.n_layers or min(self.layer_windows) < 0:
+                raise UnsupportedModel(f"layer_windows must give each of {self.n_layers} layers a window of 0 or more, "
+                                       f"got {self.layer_windows}")
+        for name, value in ((name, getattr(self, name)) for name in GEMMA_OPTIONS if getattr(self, name) is not None):
+            if self.architecture not in ("gemma2", "gemma3") or not value > 0:
+                raise UnsupportedModel(f"{name} must be positive, and is implemented for gemma2 and gemma3 only; "
+                                       f"got {value} for {self.architecture}")
+
+    def window(self, layer_id: int) -> int:
+        """Layer `layer_id`'s attention window, 0 for the whole history."""
+        return self.layer_windows[layer_id] if self.layer_windows else 0
 
     @property
     def rotary_dim(self) -> int:
@@ -93,7 +119,7 @@ class ModelConfig:
         d = json.loads(text)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        for key in ("eos_ids", "rope_freq_factors", "layers_without_rope"):
+        for key in ("eos_ids", "rope_freq_factors", "layers_without_rope", "layer_windows"):
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         return ModelConfig(**d)
@@ -102,10 +128,11 @@ class ModelConfig:
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
 }
 
 
-def _hf_rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def hf_rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta", rs.get("rope_theta", 10000.0)))
     kind = rs.get("rope_type", rs.get("type", "default"))
@@ -122,25 +149,6 @@ def _hf_rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
             int(rs.get("original_max_position_embeddings", 8192)),
         )
     raise UnsupportedModel(f"unsupported rope scaling type {kind!r} (config.json rope_scaling)")
-
-
-def _refuse_sliding_window(window, max_context: int, source: str) -> None:
-    """Sliding-window attention is not implemented: a window shorter than the context would change which
-    positions a token attends to, so refuse it; one at least as long as the context never bites."""
-    if window is not None and 0 < int(window) < max_context:
-        raise UnsupportedModel(f"{source} {window} is shorter than the context ({max_context}): sliding-window "
-                               "attention is not implemented yet")
-
-
-def _hf_sliding_window(cfg: dict[str, Any]):
-    """The window transformers applies to some layer, or None. Qwen2/3 and SmolLM3 apply theirs only where
-    layer_types says sliding_attention (or use_sliding_window, in older files); Mistral and Phi-3 wherever
-    sliding_window is set."""
-    if cfg.get("layer_types") is not None:
-        return cfg.get("sliding_window") if "sliding_attention" in cfg["layer_types"] else None
-    if "use_sliding_window" in cfg:
-        return cfg.get("sliding_window") if cfg["use_sliding_window"] else None
-    return cfg.get("sliding_window")
 
 
 def _hf_rope_dim(cfg: dict[str, Any], head_dim: int) -> int | None:
@@ -171,16 +179,19 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         raise UnsupportedModel(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(HF_ARCHITECTURES)}"
         )
-    theta, scaling = _hf_rope_scaling(cfg)
+    from .attention_config import HF_DEFAULTS, hf_attention_options  # it reads this module's helpers
+
+    cfg = {**HF_DEFAULTS.get(arch, {}), **cfg}
+    theta, scaling = hf_rope_scaling(cfg)
     n_heads = int(cfg["num_attention_heads"])
     dim = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
     head_dim = int(cfg.get("head_dim") or dim // n_heads)
     max_context = int(cfg.get("max_position_embeddings", 2048))
-    _refuse_sliding_window(_hf_sliding_window(cfg), max_context, "config.json sliding_window")
+    options = hf_attention_options(cfg, arch, n_layers, max_context)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos_ids) or (tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         n_layers=n_layers,
         dim=dim,
@@ -200,6 +211,7 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         rope_dim=_hf_rope_dim(cfg, head_dim) if arch == "phi3" else None,
         layers_without_rope=_hf_layers_without_rope(cfg, n_layers) if arch == "smollm3" else (),
     )
+    return ModelConfig(**{**fields, **options})
 
 
 def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs=None) -> ModelConfig:
@@ -228,7 +240,9 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         raise UnsupportedModel(f"{arch}.rope.scaling.attn_factor: longrope RoPE scaling is not supported")
     n_layers = int(field("block_count"))
     max_context = int(field("context_length", 2048))
-    _refuse_sliding_window(meta.get(f"{arch}.attention.sliding_window"), max_context, f"{arch}.attention.sliding_window")
+    from .attention_config import gguf_attention_options  # it reads this module's helpers
+
+    options = gguf_attention_options(meta, arch, n_layers, dim, n_heads, max_context)
     # rope.dimension_count is the rotated dims of a head: all of it but in phi3, whose head is dim / n_heads
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     head_dim = int(meta.get(f"{arch}.attention.key_length") or (None if arch == "phi3" else rope_dims) or dim // n_heads)
@@ -241,7 +255,7 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
     # llama.cpp's smollm3 has no metadata for its NoPE layers: it hard-codes every fourth (n_no_rope_layer_step)
     without_rope = tuple(i for i in range(n_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else ()
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
+    fields = dict(
         architecture=arch,
         n_layers=n_layers,
         dim=dim,
@@ -262,6 +276,7 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         rope_dim=rope_dim,
         layers_without_rope=without_rope,
     )
+    return ModelConfig(**{**fields, **options})
 
 
 PRESETS: dict[str, ModelConfig] = {

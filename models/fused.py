@@ -48,7 +48,7 @@ class NativeLayers(nn.Module):
 
         q, k, v = layer_head(x)                                   norm, qkv, bias, RoPE of layer 0
         for each layer l:
-            a = kvcache::update_and_attend(q, k, v, positions, l)
+            a = kvcache::update_and_attend(q, k, v, positions, l, window of l)
             x, q, k, v = layer_between(x, a)                      tail of l (o, residual, norm, SwiGLU,
                                                                   residual), then the head of l + 1
         (the last layer ends with layer_tail)
@@ -61,14 +61,18 @@ class NativeLayers(nn.Module):
         first = layers[0].self_attn
         self.n_heads, self.n_kv_heads, self.head_dim = first.rotary.n_heads, first.rotary.n_kv_heads, first.head_dim
         self.eps = layers[0].input_layernorm.eps
+        self.windows = [block.self_attn.window for block in layers]  # Mistral's sliding window, or 0
 
     @staticmethod
     def is_llama_block(block: nn.Module) -> bool:
         """A block computing exactly what the native ops do: the shared Block, Attention (rotating all of each
         head), QKVRotary and MLP as they are. Not a subclass, nor a block with another attention or rotary:
-        qwen3's q/k norms, smollm3's NoPE layers and phi3's partial RoPE compute something else."""
-        return (type(block) is Block and type(block.self_attn) is Attention
-                and type(getattr(block.self_attn, "rotary", None)) is QKVRotary and type(block.mlp) is MLP)
+        qwen3's q/k norms, smollm3's NoPE layers and phi3's partial RoPE compute something else, as does an
+        attention of another scale or with capped scores (its window goes to the op as it is)."""
+        attn = block.self_attn
+        return (type(block) is Block and type(attn) is Attention and type(getattr(attn, "rotary", None)) is QKVRotary
+                and type(block.mlp) is MLP and type(block.mlp.act) is SwiGLU and attn.scale == attn.head_dim**-0.5
+                and not attn.softcap)
 
     @staticmethod
     def fits(layers: nn.Module) -> bool:
@@ -108,7 +112,7 @@ class NativeLayers(nn.Module):
         blocks = list(self.blocks)
         q, k, v = ops.layer_head(x, *self._head(blocks[0]), cos, sin, *heads, self.eps)  # [1, H, n, D] each
         for i, block in enumerate(blocks):
-            a = torch.ops.kvcache.update_and_attend(q, k, v, positions, i, self.head_dim**-0.5, x.dtype)  # [1, Hq, n, Dv]
+            a = torch.ops.kvcache.update_and_attend(q, k, v, positions, i, self.head_dim**-0.5, x.dtype, self.windows[i])  # [1, Hq, n, Dv]
             if i + 1 < len(blocks):
                 x, q, k, v = ops.layer_between(x, a, *self._tail(block), *self._head(blocks[i + 1]), cos, sin, *heads, self.eps)
             else:

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from .architectures import HF_NORMS_OFFSET_BY_ONE
 from .config import ModelConfig, from_hf_config
 from .errors import ModelLoadError
 from .tokenizer import TextTokenizer, TokenizerMeta
@@ -53,6 +54,8 @@ def read_hf(folder: Path, dtype: torch.dtype = torch.float32, progress: bool = F
                 continue
             key = key.removeprefix("model.")
             state[key] = w.to(dtype) if w.dim() > 1 else w.float()
+    if config.architecture in HF_NORMS_OFFSET_BY_ONE:  # Gemma's norms scale by 1 + w: store 1 + w, in float32
+        state = {k: w + 1 if k.endswith("norm.weight") else w for k, w in state.items()}
     return config, state, read_hf_tokenizer(folder, config)
 
 

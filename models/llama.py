@@ -1,6 +1,6 @@
 """Llama, and the architectures that are its math with other options: Qwen2 (a bias on the q, k and v
-projections, config.qkv_bias) and Mistral (Llama's blocks; a sliding window shorter than the context is
-refused in config.py). The blocks live in blocks.py, shared with qwen3.py, smollm3.py and phi3.py; this
+projections, config.qkv_bias) and Mistral (Llama's blocks, every layer attending through config.sliding_window
+where it is shorter than the context). The blocks live in blocks.py, shared with qwen3.py, smollm3.py and phi3.py; this
 module names them as the Llama decoder, as the rest of the project imports them."""
 from __future__ import annotations
 

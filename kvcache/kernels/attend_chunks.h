@@ -4,13 +4,16 @@
 // namespace of its own.
 //
 // R query rows that share one history (the query heads of one KV head, for one token or for several
-// tokens of a span: row r sees the first visible[r] keys, nondecreasing in r) in one pass over it, in
-// chunks of CHUNK keys with an online softmax (flash attention). Scores are vectors over the keys (stored
-// transposed, [D] by [B] a block): lane t of a row's score vector is its dot product with key t, summed
-// over the head dim, so no horizontal sums are needed, and the rows share each key vector loaded. With
-// many rows, a chunk's keys and values are first widened to float32, once for all of them.
-// Each row's operations, and their order, depend only on its own query and visible length, never on
-// which rows share its pass: a token's attention is bitwise the same decoded alone, in a batch, or in
+// tokens of a span: row r sees keys begin[r] .. visible[r] - 1, both nondecreasing in r; begin is 0 but
+// in a sliding window) in one pass over it, in chunks of CHUNK keys with an online softmax (flash
+// attention). Chunks lie at multiples of CHUNK: a row takes part in the chunks its keys overlap, from the
+// one holding begin[r], and a chunk no row's keys overlap (a gap between windows) is never read. Scores
+// are vectors over the keys (stored transposed, [D] by [B] a block): lane t of a row's score vector is its
+// dot product with key t, summed over the head dim, so no horizontal sums are needed, and the rows share
+// each key vector loaded. With many rows, a chunk's keys and values are first widened to float32, once for
+// all of them.
+// Each row's operations, and their order, depend only on its own query, begin and visible length, never
+// on which rows share its pass: a token's attention is bitwise the same decoded alone, in a batch, or in
 // any chunk of a prefill.
 
 // A chunk's keys and values where the row loops read them: key vector c (lanes = keys c W .. c W + W - 1)
@@ -125,10 +128,23 @@ void value_chunk(float* acc, const float* s, const float* corr, const int64_t* v
   }
 }
 
-// rows query rows (visible[r] keys each, nondecreasing) over one history; see the top of this file.
+// Attention-logit soft-capping (Gemma 2) of a row's scores: c tanh(s / c), with tanh(x) = 1 - 2 / (e^2x + 1).
+// exp saturates, so a score far past the cap comes out as +-c exactly.
+template <int CW>
+void soft_cap(float* sr, float cap) {
+  using R = typename Vec::R;
+  const R two = Vec::set1(2.0f), one = Vec::set1(1.0f), c = Vec::set1(cap), twice_inv = Vec::set1(2.0f / cap);
+  for (int i = 0; i < CW; ++i) {
+    const R e = Vec::exp(Vec::mul(Vec::load(sr + i * Vec::W), twice_inv));
+    Vec::store(sr + i * Vec::W, Vec::mul(c, Vec::sub(one, Vec::div(two, Vec::add(e, one)))));
+  }
+}
+
+// rows query rows (keys begin[r] .. visible[r] - 1 each, both nondecreasing) over one history; see the top of
+// this file. softcap > 0 caps each score (after the scale) at +-softcap.
 template <int D, class T>
-void attend_rows(const float* const* q, float* const* out, const int64_t* visible, int rows, const Paged<T>& keys,
-                 const Paged<T>& values, float scale, Scratch& sc) {
+void attend_rows(const float* const* q, float* const* out, const int64_t* begin, const int64_t* visible, int rows,
+                 const Paged<T>& keys, const Paged<T>& values, float scale, float softcap, Scratch& sc) {
   using R = typename Vec::R;
   constexpr int W = Vec::W, CW = CHUNK / W;
   static_assert(D % W == 0 && CHUNK % W == 0, "rows and chunks are whole vectors");
@@ -157,9 +173,16 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* visibl
   const int64_t block_bytes = B * D * (int64_t)sizeof(T);
   ahead.key_step = block_bytes / (D / Vec::CHAINS), ahead.value_step = block_bytes / CHUNK;
   const int64_t end = visible[rows - 1];
-  int first = 0;  // rows before it see none of the chunk: they are done
-  for (int64_t t0 = 0; t0 < end; t0 += CHUNK) {
+  // Rows first .. last - 1 see some of the chunk: those before first are done, those from last on have not
+  // begun (their window starts past it).
+  int first = 0, last = 0;
+  for (int64_t t0 = begin[0] / CHUNK * CHUNK; t0 < end; t0 += CHUNK) {
     while (visible[first] <= t0) ++first;
+    while (last < rows && begin[last] < t0 + CHUNK) ++last;
+    if (last == first) {  // no row sees this chunk: go on at the chunk where the next row's window begins
+      t0 = begin[first] / CHUNK * CHUNK - CHUNK;
+      continue;
+    }
     const int n = (int)std::min<int64_t>(CHUNK, end - t0);
     for (int c = 0; c < CW; ++c) {  // keys past the history's last block are read from its first: masked anyway
       const int64_t t = t0 + c * W < end ? t0 + c * W : 0;
@@ -176,22 +199,24 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* visibl
     }
     if (widened) {
       widen(keys, values, t0, n, D, kt, vb);
-      score_chunk<D>(qs, s, first, rows, copy, fetching);
+      score_chunk<D>(qs, s, first, last, copy, fetching);
     } else {
-      score_chunk<D>(qs, s, first, rows, direct, fetching);
+      score_chunk<D>(qs, s, first, last, direct, fetching);
     }
     // The online softmax: rescale what each row has summed by e^(old max - new max).
-    for (int r = first; r < rows; ++r) {
+    for (int r = first; r < last; ++r) {
       float* sr = s + r * CHUNK;
+      if (softcap > 0.0f) soft_cap<CW>(sr, softcap);
       std::fill(sr + std::min<int64_t>(CHUNK, visible[r] - t0), sr + CHUNK, -INFINITY);
+      if (begin[r] > t0) std::fill(sr, sr + (begin[r] - t0), -INFINITY);  // keys before the row's window
       R m = Vec::load(sr);
       for (int c = 1; c < CW; ++c) m = Vec::max(m, Vec::load(sr + c * W));
       const float now = std::max(top[r], Vec::hmax(m));
       shift[r] = top[r] - now;  // -inf on a row's first chunk: exp flushes it to about 0, and its sums are 0
       top[r] = now;
     }
-    for (int r = first; r < rows; r += W) Vec::store(corr + r, Vec::exp(Vec::load(shift + r)));
-    for (int r = first; r < rows; ++r) {
+    for (int r = first; r < last; r += W) Vec::store(corr + r, Vec::exp(Vec::load(shift + r)));
+    for (int r = first; r < last; ++r) {
       float* sr = s + r * CHUNK;
       const R now = Vec::set1(top[r]);
       R sum = Vec::zero();
@@ -202,8 +227,8 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* visibl
       }
       total[r] = total[r] * corr[r] + Vec::hsum(sum);
     }
-    if (widened) value_chunk<D>(acc, s, corr, visible, first, rows, t0, copy, fetching);
-    else value_chunk<D>(acc, s, corr, visible, first, rows, t0, direct, fetching);
+    if (widened) value_chunk<D>(acc, s, corr, visible, first, last, t0, copy, fetching);
+    else value_chunk<D>(acc, s, corr, visible, first, last, t0, direct, fetching);
   }
   for (int r = 0; r < rows; ++r) {
     const R inv = Vec::set1(1.0f / total[r]);

@@ -9,8 +9,10 @@
 //   tables: int64, every span's block ids in history order, concatenated; span i's start at table_starts[i]
 //   offsets[i], sizes[i]: span i owns tokens offsets[i] .. offsets[i] + sizes[i] of the step
 //   lengths[i]: tokens already in span i's history (its k/v land at lengths[i] .. lengths[i] + sizes[i])
+//   window: 0, or w > 0 for a sliding window of w keys; softcap: 0, or c > 0 to cap each scaled score as c tanh(s / c)
 //   returns [1, H_q, S, Dv] f32
-// Token j of a span sees history 0 .. lengths[i] + j (causal, aligned to the end of the history).
+// Token j of a span, at position p = lengths[i] + j, sees history 0 .. p (causal, aligned to the end of the
+// history), or with a window p - w + 1 .. p (transformers' sliding_window). Keys before the window are never read.
 // Why keys are stored transposed: the kernel scores a chunk of keys as vectors over the keys, each lane
 // summing over the head dim in order, which a [D, B] block gives as whole vectors.
 #include <ATen/ATen.h>
@@ -96,21 +98,23 @@ bool has_avx512() {
   return wide;
 }
 
-// Any head dims: the same math, scalar, a row at a time.
+// Any head dims: the same math, scalar, a row at a time, over keys begin .. visible - 1.
 template <class T>
-void attend_one_any(const float* q, const Paged<T>& keys, const Paged<T>& values, int64_t visible, float scale,
-                    int64_t D, int64_t Dv, float* out, std::vector<float>& scores) {
+void attend_one_any(const float* q, const Paged<T>& keys, const Paged<T>& values, int64_t begin, int64_t visible,
+                    float scale, float softcap, int64_t D, int64_t Dv, float* out, std::vector<float>& scores) {
   scores.resize(visible);
   float top = -INFINITY;
-  for (int64_t t = 0; t < visible; ++t) {
+  for (int64_t t = begin; t < visible; ++t) {
     float s = 0.0f;
     for (int64_t i = 0; i < D; ++i) s += q[i] * keys.key(t, i);
-    top = std::max(top, scores[t] = s * scale);
+    s *= scale;
+    if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
+    top = std::max(top, scores[t] = s);
   }
   float total = 0.0f;
-  for (int64_t t = 0; t < visible; ++t) total += scores[t] = std::exp(scores[t] - top);
+  for (int64_t t = begin; t < visible; ++t) total += scores[t] = std::exp(scores[t] - top);
   std::fill(out, out + Dv, 0.0f);
-  for (int64_t t = 0; t < visible; ++t) {
+  for (int64_t t = begin; t < visible; ++t) {
     const T* vrow = values.row(t);
     for (int64_t i = 0; i < Dv; ++i) out[i] += scores[t] / total * static_cast<float>(vrow[i]);
   }
@@ -127,7 +131,7 @@ struct Job {
 
 template <class T>
 void append_and_attend(const float* qp, const float* kp, const float* vp, float* op, int64_t layer, float scale,
-                       at::TensorList k_pools, at::TensorList v_pools, const int64_t* tables,
+                       int64_t window, float softcap, at::TensorList k_pools, at::TensorList v_pools, const int64_t* tables,
                        at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
                        at::IntArrayRef sizes, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t Dv) {
   const int64_t n_spans = offsets.size(), group = Hq / Hkv;
@@ -155,6 +159,8 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
         for (int64_t d = 0; d < Dv; ++d) store(value[d], v[d]);
       }
     }
+  // The first key a token at position p sees.
+  const auto first_key = [&](int64_t p) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : int64_t{0}; };
   // Jobs of up to MAX_ROWS query rows that share a history, costliest (most rows times keys) first, cut into
   // one run of about equal cost for each thread: a prefill's later tokens see more keys than its first. Runs
   // keep neighbours together: the KV heads of a block lie side by side, and a thread that reads them in turn
@@ -165,7 +171,8 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
   for (int64_t i = 0; i < n_spans; ++i)
     for (int64_t j0 = 0; j0 < sizes[i]; j0 += per_job) {
       const int64_t j1 = std::min(sizes[i], j0 + per_job);
-      for (int64_t hk = 0; hk < Hkv; ++hk) jobs.push_back({i, hk, j0, j1, (j1 - j0) * (lengths[i] + j1)});
+      const int64_t keys = lengths[i] + j1 - first_key(lengths[i] + j0);  // what the job's rows read, together
+      for (int64_t hk = 0; hk < Hkv; ++hk) jobs.push_back({i, hk, j0, j1, (j1 - j0) * keys});
     }
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
   int64_t total = 0;
@@ -185,7 +192,7 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
     std::vector<float> scores;
     std::vector<const float*> qs;
     std::vector<float*> os;
-    std::vector<int64_t> visible;
+    std::vector<int64_t> begin, visible;
     std::vector<const T*> kblocks, vblocks;
     for (int64_t at = cut[first_run]; at < cut[end_run]; ++at) {
       const Job& job = jobs[at];
@@ -198,21 +205,25 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
         vblocks[b] = value_block(i, block, job.hk);
       }
       const Paged<T> keys{kblocks.data(), shift, B - 1, D}, values{vblocks.data(), shift, B - 1, Dv};
-      qs.clear(), os.clear(), visible.clear();
-      for (int64_t j = job.j0; j < job.j1; ++j)  // row order: token, then head; visible keys nondecreasing
+      qs.clear(), os.clear(), begin.clear(), visible.clear();
+      for (int64_t j = job.j0; j < job.j1; ++j)  // row order: token, then head; begin and visible nondecreasing
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = job.hk * group + g, token = offsets[i] + j;
           qs.push_back(qp + (h * S + token) * D);
           os.push_back(op + (h * S + token) * Dv);
+          begin.push_back(first_key(lengths[i] + j));
           visible.push_back(lengths[i] + j + 1);
         }
       const int rows = (int)qs.size();
       if (!fast) {
-        for (int r = 0; r < rows; ++r) attend_one_any(qs[r], keys, values, visible[r], scale, D, Dv, os[r], scores);
+        for (int r = 0; r < rows; ++r)
+          attend_one_any(qs[r], keys, values, begin[r], visible[r], scale, softcap, D, Dv, os[r], scores);
       } else if (D == 64) {
-        (wide ? avx512::attend_rows<64, T> : avx2::attend_rows<64, T>)(qs.data(), os.data(), visible.data(), rows, keys, values, scale, scratch);
+        (wide ? avx512::attend_rows<64, T> : avx2::attend_rows<64, T>)(qs.data(), os.data(), begin.data(), visible.data(), rows,
+                                                                     keys, values, scale, softcap, scratch);
       } else {
-        (wide ? avx512::attend_rows<128, T> : avx2::attend_rows<128, T>)(qs.data(), os.data(), visible.data(), rows, keys, values, scale, scratch);
+        (wide ? avx512::attend_rows<128, T> : avx2::attend_rows<128, T>)(qs.data(), os.data(), begin.data(), visible.data(), rows,
+                                                                       keys, values, scale, softcap, scratch);
       }
     }
   });
@@ -225,7 +236,7 @@ namespace kvcache_kernels {
 at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t layer,
                         double scale, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& tables,
                         at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
-                        at::IntArrayRef sizes) {
+                        at::IntArrayRef sizes, int64_t window, double softcap) {
   const int64_t n_spans = offsets.size();
   TORCH_CHECK(n_spans > 0 && k_pools.size() == n_spans && v_pools.size() == n_spans && lengths.size() == n_spans &&
                   sizes.size() == n_spans && table_starts.size() == n_spans,
@@ -237,6 +248,7 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "attend_spans works in float32");
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 1 && tables.is_contiguous(), "tables must be int64 [n]");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be 0 (none) or positive");
   const int64_t Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
   const at::ScalarType pool_type = k_pools[0].scalar_type();
   TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf, "pools must be float32 or float16");
@@ -262,11 +274,11 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (pool_type == at::kHalf)
-    append_and_attend<Half>(qp, kp, vp, op, layer, (float)scale, k_pools, v_pools, table, table_starts, offsets,
-                            lengths, sizes, Hq, Hkv, S, D, Dv);
+    append_and_attend<Half>(qp, kp, vp, op, layer, (float)scale, window, (float)softcap, k_pools, v_pools, table,
+                            table_starts, offsets, lengths, sizes, Hq, Hkv, S, D, Dv);
   else
-    append_and_attend<float>(qp, kp, vp, op, layer, (float)scale, k_pools, v_pools, table, table_starts, offsets,
-                             lengths, sizes, Hq, Hkv, S, D, Dv);
+    append_and_attend<float>(qp, kp, vp, op, layer, (float)scale, window, (float)softcap, k_pools, v_pools, table,
+                             table_starts, offsets, lengths, sizes, Hq, Hkv, S, D, Dv);
   return out;
 }
 
@@ -274,7 +286,8 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
 
 TORCH_LIBRARY(kvcache_native, m) {
   m.def("attend_spans(Tensor q, Tensor k, Tensor v, int layer, float scale, Tensor(a!)[] k_pools, "
-        "Tensor(b!)[] v_pools, Tensor tables, int[] table_starts, int[] offsets, int[] lengths, int[] sizes) -> Tensor");
+        "Tensor(b!)[] v_pools, Tensor tables, int[] table_starts, int[] offsets, int[] lengths, int[] sizes, "
+        "int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_native, CPU, m) { m.impl("attend_spans", &kvcache_kernels::attend_spans); }

@@ -8,6 +8,6 @@ namespace kvcache_kernels {
 at::Tensor attend_spans(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,
                         at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& tables,
                         at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
-                        at::IntArrayRef sizes);
+                        at::IntArrayRef sizes, int64_t window = 0, double softcap = 0.0);
 
 }  // namespace kvcache_kernels

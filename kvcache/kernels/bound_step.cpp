@@ -12,12 +12,13 @@
 //   kvcache_native::unbind_step() -> (): this thread holds no step
 //   kvcache_native::bound_next_layer() -> int: the layer the bound step expects next (the layer count
 //       once the forward is done), or -1 if this thread holds none
-//   kvcache_native::attend_bound(q, k, v, layer, scale) -> Tensor: one layer of the bound step, for the
-//       Python path once it has validated the call
-//   kvcache::update_and_attend, CPU kernel: the bound step's next layer here; every other call (no step
-//       bound, a layer out of turn, positions that do not continue the histories, a float16 query, bad
-//       shapes) goes to kvcache::attend_active_step, the registry's Python path, which raises the
-//       typed errors or takes the call itself.
+//   kvcache_native::attend_bound(q, k, v, layer, scale, window=0, softcap=0.0) -> Tensor: one layer of the
+//       bound step, for the Python path once it has validated the call
+//   kvcache::update_and_attend, CPU kernel: the bound step's next layer here, its window and soft cap as
+//       attend_spans takes them; every other call (no step bound, a layer out of turn, positions that do
+//       not continue the histories, a float16 query, bad shapes, a negative window or cap) goes to
+//       kvcache::attend_active_step, the registry's Python path, which raises the typed errors or takes
+//       the call itself.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -49,10 +50,12 @@ void unbind_step() { bound.reset(); }
 
 int64_t bound_next_layer() { return bound ? bound->next_layer : -1; }
 
-at::Tensor attend_bound(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale) {
+at::Tensor attend_bound(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,
+                        int64_t window, double softcap) {
   TORCH_CHECK(bound && bound->next_layer == layer, "no bound step expects layer ", layer);
   at::Tensor out = kvcache_kernels::attend_spans(q, k, v, layer, scale, bound->k_pools, bound->v_pools, bound->tables,
-                                                 bound->table_starts, bound->offsets, bound->lengths, bound->sizes);
+                                                 bound->table_starts, bound->offsets, bound->lengths, bound->sizes,
+                                                 window, softcap);
   bound->next_layer = layer + 1;
   return out;  // [1, H_q, S, D_v] float32
 }
@@ -67,9 +70,10 @@ bool positions_match(const at::Tensor& position) {
 }
 
 at::Tensor update_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& position,
-                             int64_t layer_id, double scale, at::ScalarType out_dtype) {
+                             int64_t layer_id, double scale, at::ScalarType out_dtype, int64_t window, double softcap) {
   // The Python path raises the typed errors, so any doubt about the input goes there.
-  const bool ours = bound && bound->next_layer == layer_id && layer_id < bound->native_layers && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
+  const bool ours = bound && bound->next_layer == layer_id && layer_id < bound->native_layers && window >= 0 &&
+                    softcap >= 0.0 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                     q.scalar_type() == at::kFloat && q.size(0) == 1 && q.size(1) % k.size(1) == 0 &&
                     position.dim() == 2 && position.size(0) == q.size(2) && position.size(1) == 1 &&
                     q.size(2) == static_cast<int64_t>(bound->positions.size()) &&
@@ -79,10 +83,10 @@ at::Tensor update_and_attend(const at::Tensor& q, const at::Tensor& k, const at:
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("kvcache::attend_active_step", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-                              at::ScalarType)>();
-    return python_path.call(q, k, v, position, layer_id, scale, out_dtype);
+                              at::ScalarType, int64_t, double)>();
+    return python_path.call(q, k, v, position, layer_id, scale, out_dtype, window, softcap);
   }
-  const at::Tensor out = attend_bound(q, k, v, layer_id, scale);
+  const at::Tensor out = attend_bound(q, k, v, layer_id, scale, window, softcap);
   return out.scalar_type() == out_dtype ? out : out.to(out_dtype);
 }
 
@@ -93,7 +97,7 @@ TORCH_LIBRARY_FRAGMENT(kvcache_native, m) {
         "int[] lengths, int[] sizes, int native_layers) -> ()");
   m.def("unbind_step() -> ()");
   m.def("bound_next_layer() -> int");
-  m.def("attend_bound(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor");
+  m.def("attend_bound(Tensor q, Tensor k, Tensor v, int layer, float scale, int window=0, float softcap=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_native, CatchAll, m) {

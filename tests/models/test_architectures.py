@@ -58,6 +58,11 @@ def write_arch_checkpoint(folder: Path, arch: str, tokenizer_source, seed: int =
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
+    return save_checkpoint(model, folder, tokenizer_source)
+
+
+def save_checkpoint(model, folder: Path, tokenizer_source) -> Path:
+    """A transformers model saved with SmolLM2's tokenizer beside it, as a Hugging Face folder."""
     model.save_pretrained(folder)
     tokenizer_source.tokenizer.save(str(folder / "tokenizer.json"))
     meta = tokenizer_source.meta
@@ -87,22 +92,25 @@ def arch_checkpoints(tmp_path_factory, smollm):
     return {arch: write_arch_checkpoint(root / arch, arch, smollm.tokenizer, seed=20 + i) for i, arch in enumerate(ARCHS)}
 
 
-@pytest.fixture(scope="module")
-def loaded(arch_checkpoints):
-    """arch -> (our LoadedModel at f32, transformers' model), each loaded once."""
+def model_pairs(folders: dict):
+    """name -> (our LoadedModel at f32, transformers' model) of folders[name], each loaded once, on demand."""
     import transformers
 
     models = {}
 
-    def get(arch):
-        if arch not in models:
-            folder = arch_checkpoints[arch]
-            ours = load_model(str(folder), weights="f32", use_cache=False)
-            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-            models[arch] = (ours, hf)
-        return models[arch]
+    def get(name):
+        if name not in models:
+            ours = load_model(str(folders[name]), weights="f32", use_cache=False)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.float32).eval()
+            models[name] = (ours, hf)
+        return models[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def loaded(arch_checkpoints):
+    return model_pairs(arch_checkpoints)
 
 
 def batched_greedy(forward, config, prompts, n):

@@ -14,7 +14,7 @@ from models.fused import NativeLayers, NativeRMSNorm
 from models.hf_loader import read_hf
 from models.quant import model_kernels_available
 
-from .test_architectures import OTHER_PROMPT, batched_greedy, write_gguf_from_hf
+from .test_architectures import OTHER_PROMPT, batched_greedy, model_pairs, save_checkpoint, write_gguf_from_hf
 from .test_models import PROMPT, Session, greedy, hf_greedy, run_prompt
 
 WINDOW = 8
@@ -53,14 +53,7 @@ def write_checkpoint(folder, kind, tokenizer_source, seed=0, **changes):
                 p.normal_(0.0 if kind.startswith("gemma") else 1.0, 0.3)
             elif "q_proj" in name or "k_proj" in name:
                 p.normal_(0.0, 0.2)
-    model.save_pretrained(folder)
-    tokenizer_source.tokenizer.save(str(folder / "tokenizer.json"))
-    meta = tokenizer_source.meta
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": meta.chat_template, "eos_token": meta.eos_token, "bos_token": meta.bos_token,
-        "add_bos_token": False, "tokenizer_class": "GPT2Tokenizer",
-    }))
-    return folder
+    return save_checkpoint(model, folder, tokenizer_source)
 
 
 @pytest.fixture(scope="module")
@@ -71,19 +64,7 @@ def checkpoints(tmp_path_factory, smollm):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoints):
-    """kind -> (our LoadedModel at f32, transformers' model), each loaded once."""
-    import transformers
-
-    models = {}
-
-    def get(kind):
-        if kind not in models:
-            folder = checkpoints[kind]
-            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-            models[kind] = (load_model(str(folder), weights="f32", use_cache=False), hf)
-        return models[kind]
-
-    return get
+    return model_pairs(checkpoints)
 
 
 @pytest.mark.parametrize("kind", KINDS)

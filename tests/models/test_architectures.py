@@ -142,19 +142,24 @@ def batched_greedy(forward, config, prompts, n):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_architecture_matches_transformers(loaded, arch):
     model, hf = loaded(arch)
-    fwd, config = model.forward, model.config
+    config = model.config
     assert config.architecture == arch
     ids = model.tokenizer.encode(PROMPT)
+    matches_transformers(model, hf, ids, [None, [5, 7, len(ids) - 12]])
+
+
+def matches_transformers(model, hf, ids, chunkings) -> None:
+    """All-position logits at 1e-4 for the prompt whole or in each chunking, 20 greedy tokens equal, and two
+    prompts of different lengths in one step, each as it is alone."""
+    fwd, config = model.forward, model.config
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]  # [n, vocab]
-    for chunks in (None, [5, 7, len(ids) - 12]):
+    for chunks in chunkings:
         with Session(config) as session, torch.no_grad():
             ours = run_prompt(session.committing(fwd), config, ids, chunks, all_logits=True)
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
     expected = hf_greedy(hf, ids, 20)
     assert greedy(fwd, config, ids, 20) == expected
-
-    # two prompts of different lengths in one step: each as it is alone
     other = model.tokenizer.encode(OTHER_PROMPT)
     with torch.no_grad():
         other_ref = hf(torch.tensor([other])).logits[0, -1]

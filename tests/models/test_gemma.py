@@ -14,8 +14,8 @@ from models.fused import NativeLayers, NativeRMSNorm
 from models.hf_loader import read_hf
 from models.quant import model_kernels_available
 
-from .test_architectures import OTHER_PROMPT, batched_greedy, model_pairs, save_checkpoint, write_gguf_from_hf
-from .test_models import PROMPT, Session, greedy, hf_greedy, run_prompt
+from .test_architectures import matches_transformers, model_pairs, save_checkpoint, write_gguf_from_hf
+from .test_models import PROMPT, Session, run_prompt
 
 WINDOW = 8
 LONG_PROMPT = PROMPT + " there lived a small fox who counted the stars every night and never slept."
@@ -70,26 +70,11 @@ def loaded(checkpoints):
 @pytest.mark.parametrize("kind", KINDS)
 def test_windowed_models_match_transformers(loaded, kind):
     model, hf = loaded(kind)
-    fwd, config = model.forward, model.config
+    config = model.config
     assert config.architecture == kind
     ids = model.tokenizer.encode(LONG_PROMPT)
     assert len(ids) > 3 * WINDOW
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]  # [n, vocab]
-    for chunks in (None, [5, 7, len(ids) - 12], [WINDOW + 3, 1, len(ids) - WINDOW - 4]):
-        with Session(config) as session, torch.no_grad():
-            ours = run_prompt(session.committing(fwd), config, ids, chunks, all_logits=True)
-        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)
-    expected = hf_greedy(hf, ids, 20)
-    assert greedy(fwd, config, ids, 20) == expected
-
-    # two prompts of different lengths in one step: each as it is alone
-    other = model.tokenizer.encode(OTHER_PROMPT)
-    with torch.no_grad():
-        other_ref = hf(torch.tensor([other])).logits[0, -1]
-    first, tokens = batched_greedy(fwd, config, [ids, other], 12)
-    torch.testing.assert_close(first, torch.stack([ref[-1], other_ref]), atol=1e-4, rtol=0)
-    assert tokens == [expected[:12], hf_greedy(hf, other, 12)]
+    matches_transformers(model, hf, ids, [None, [5, 7, len(ids) - 12], [WINDOW + 3, 1, len(ids) - WINDOW - 4]])
 
 
 def test_the_window_bites(loaded, checkpoints):

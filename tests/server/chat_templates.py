@@ -30,3 +30,10 @@ def with_template(model, template: str):
 def exactly(text: str) -> str:
     """A regex (guided_regex) that matches this text and nothing else."""
     return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def oai(server):
+    """The OpenAI SDK on a live server."""
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from ..live_server import LiveServer
-from .chat_templates import QWEN3, QWEN3_OPENING, exactly, with_template
+from .chat_templates import QWEN3, QWEN3_OPENING, exactly, oai, with_template
 
 MODEL = "smollm2-135m-instruct"
 THOUGHT = "<think>\nabc\n</think>\n\nHello"
@@ -37,8 +37,6 @@ def opening(smollm):
         yield server
 
 
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def forced(server, text: str, **kw):

@@ -7,13 +7,12 @@ import json
 import anthropic
 import httpx
 import ollama
-import openai
 import pytest
 
 from server.api import tool_formats
 
 from ..live_server import LiveServer
-from .chat_templates import LLAMA3, MISTRAL, QWEN3, exactly, with_template
+from .chat_templates import LLAMA3, MISTRAL, QWEN3, exactly, oai, with_template
 
 MODEL = "smollm2-135m-instruct"
 WEATHER = {"type": "function", "function": {
@@ -35,8 +34,6 @@ def mistral(smollm):
         yield server
 
 
-def oai(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def reply(server, text: str, stream: bool = False):

@@ -95,7 +95,8 @@ def test_thirty_two_forks_share_the_parents_blocks(fast_server):
 
     assert all(r.status_code == 200 for r in asyncio.run(extend()))
     tails = 32 * pool.full_bytes(50 + 16)  # each fork's own tokens, and the partial block it copied
-    assert pool.used() <= 1.3 * info["bytes"] + tails, (pool.used(), info["bytes"], tails)
+    # what the forks added, against what the pool held after the parent (other tests' cached prefixes included)
+    assert pool.used() - before <= tails, (pool.used(), before, tails)
     assert httpx.get(f"{url}/v1/sessions/{parent}").json()["length"] == info["length"]
     for f in forks:
         httpx.delete(f"{url}/v1/sessions/{f['id']}")

@@ -67,7 +67,7 @@ GGUF_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
     "gemma3": _GEMMA_NORMS,
 }
 # Architectures whose q and k rows llama.cpp's converter permuted for its interleaved ("normal") RoPE, to
-# be undone on load (gguf_loader.unpermute_qk): LlamaModel and its subclasses with undo_permute = True,
+# be undone on load (stored.unpermute_qk): LlamaModel and its subclasses with undo_permute = True,
 # SmolLM3Model among them. qwen2, qwen3 and phi3 use llama.cpp's NeoX RoPE, which is ours: not permuted.
 GGUF_PERMUTED_QK = frozenset({"llama", "smollm3"})
 # Architectures whose RMSNorm scales by 1 + weight: an HF folder's norm weights get the 1 added on load

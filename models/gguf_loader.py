@@ -11,7 +11,7 @@ from tqdm import tqdm
 from .architectures import GGUF_PERMUTED_QK, GGUF_REFUSED_TENSORS, gguf_layer_names
 from .config import UnsupportedModel, from_gguf_metadata
 from .errors import ModelLoadError
-from .stored import StoredTensor
+from .stored import StoredTensor, unpermute_qk
 from .tokenizer import TextTokenizer, TokenizerMeta, byte_level_bpe_from_gguf
 
 _GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
@@ -52,12 +52,6 @@ def our_name(gguf_name: str, arch: str) -> str:
     raise UnsupportedModel(f"unsupported GGUF tensor {gguf_name!r} for the {arch} architecture")
 
 
-def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaved-rope permutation of a q/k weight [n_heads * D, dim] (or bias)."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
-
-
 def read_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = False):
     """-> (ModelConfig, state in our names, TextTokenizer). Matrices stay in the file, as StoredTensors;
     vectors (norms, biases) are read as float32."""
@@ -87,7 +81,7 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = F
             heads = config.n_heads if kind == "attn_q" else config.n_kv_heads
         w = stored(t, heads if len(t.shape) > 1 else 0)
         if len(w.shape) == 1:  # a norm or a bias: small, read now
-            v = w.floats().float() if w.is_float else w.dequantize()
+            v = w.dequantize()
             state[name] = unpermute_qk(v, heads) if heads else v
         else:
             state[name] = w

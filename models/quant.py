@@ -27,12 +27,13 @@ from kvcache.native import NativeUnavailable, load_native
 
 from .block_quant import BLOCK, to_panels
 from .errors import ModelLoadError
-from .formats import FORMATS
+from .formats import FLOAT_TYPES, FORMATS
 from .formats.panels import KINDS, PANEL, PANEL_GROUP
 from .stored import StoredTensor
 
 WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
+FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}  # torch.float16 -> "F16"
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp")]
 
 
@@ -152,17 +153,15 @@ class LinearBlocks(nn.Module):
     def from_stored(tensors: list[StoredTensor], bias: torch.Tensor | None) -> LinearBlocks:
         """Tensors of a GGUF, stacked by rows -> their panels, as stored. Neighbours of one format whose
         rows fill whole panel groups share one part."""
-        parts: list[tuple[torch.Tensor, str, int]] = []
+        runs: list[tuple[list[torch.Tensor], str, int]] = []  # each part's panels, kind, rows
         for t in tensors:
             t.check_type()
             kind = FORMATS[t.type].kind_name
-            panels = t.panels()
-            if parts and parts[-1][1] == kind and parts[-1][2] % (PANEL * PANEL_GROUP) == 0:
-                prev, _, n = parts.pop()
-                panels, rows = torch.cat([prev, panels]), n + t.rows
+            if runs and runs[-1][1] == kind and runs[-1][2] % (PANEL * PANEL_GROUP) == 0:
+                runs[-1] = (runs[-1][0] + [t.panels()], kind, runs[-1][2] + t.rows)
             else:
-                rows = t.rows
-            parts.append((panels, kind, rows))
+                runs.append(([t.panels()], kind, t.rows))
+        parts = [(panels[0] if len(panels) == 1 else torch.cat(panels), kind, rows) for panels, kind, rows in runs]
         return LinearBlocks(parts, bias, tuple(t.type for t in tensors))
 
     def weight(self) -> torch.Tensor:
@@ -212,7 +211,7 @@ def held_types(model: nn.Module) -> tuple[tuple[str, int], ...]:
     for t in model.state_dict(keep_vars=True).values():
         if t is not None and t.is_floating_point() and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            names.append({torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(t.dtype, str(t.dtype)))
+            names.append(FLOAT_NAMES.get(t.dtype, str(t.dtype)))
     for name in names:
         counts[name] = counts.get(name, 0) + 1
     return tuple(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))

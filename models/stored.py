@@ -18,6 +18,12 @@ class UnsupportedTensorType(ModelLoadError):
     """A tensor's type has no kernel here; requantizing it (--weights q4_0, q8_0, ...) would serve it."""
 
 
+def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaved-rope permutation of a q/k weight [n_heads * D, dim] (or bias)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)  # [H, 2, D/2, ...] -> [H*D, ...]
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """A GGUF tensor [N, K] (or [K]) of `type`, at `offset` in `path`. `heads` > 0: its rows are read in
@@ -65,9 +71,7 @@ class StoredTensor:
             return self._pread(r0, r1)
         d = self.rows // self.heads  # rows a head
         h0, h1 = r0 // d, -(-r1 // d)
-        raw = self._pread(h0 * d, h1 * d)
-        # [H, D/2, 2, bytes] -> [H, 2, D/2, bytes]: undo the interleaved-rope order (gguf_loader.unpermute_qk)
-        raw = raw.reshape(h1 - h0, d // 2, 2, -1).transpose(1, 2).reshape(-1, raw.shape[-1])
+        raw = unpermute_qk(self._pread(h0 * d, h1 * d), h1 - h0)  # a row's bytes move with it
         return raw[r0 - h0 * d : r1 - h0 * d]
 
     def floats(self) -> torch.Tensor:

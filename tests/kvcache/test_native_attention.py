@@ -144,13 +144,15 @@ def test_bound_step_runs_every_layer_natively_matches_sdpa_and_refuses_out_of_tu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype):
+@pytest.mark.parametrize("window", [0, 20])  # 20: a sliding window the later tokens' histories pass
+def test_a_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype, window):
     """Decoded one token a step, prefilled whole, cut into chunks, or beside another session's span: each
-    token's output is the same bits (greedy replies must not depend on the load or the chunking)."""
+    token's output is the same bits (greedy replies must not depend on the load or the chunking), with a
+    sliding window as without."""
     torch.manual_seed(3)
     if not CacheRegistry().native_attention():
         pytest.skip("no AVX2 CPU or compiler here")
-    n, history = 70, 37
+    n, history = 90, 37
     base, other = make_caches([history, 50], Sizing.DYNAMIC, dtype)
     q, k, v = (torch.randn(LAYERS, 1, h, n, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS))
     extra = [torch.randn(LAYERS, 1, h, 4, DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
@@ -168,7 +170,7 @@ def test_a_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype):
                 x = [t[layer][:, :, a:b] for t in (q, k, v)]  # [1, H, b - a, D] each
                 if beside:  # the other session's tokens first, along the step's token axis
                     x = [torch.cat((e[layer], t), dim=2) for e, t in zip(extra, x)]
-                got.append(step.attend(*x, position, layer, DIM**-0.5, torch.float32)[:, :, -(b - a):])
+                got.append(step.attend(*x, position, layer, DIM**-0.5, torch.float32, window)[:, :, -(b - a):])
             step.commit()
             outs.append(torch.cat(got))
         return torch.cat(outs, dim=2)

@@ -123,40 +123,6 @@ def test_a_window_past_the_history_is_bitwise_no_window(dtype):
     assert all(torch.equal(a, b) for a, b in zip(plain, wide))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_a_windowed_tokens_attention_is_bitwise_the_same_however_its_step_is_cut(dtype):
-    """As without a window: decoded one token a step, prefilled whole, cut into chunks, or beside another
-    session's span, each token's output is the same bits."""
-    torch.manual_seed(14)
-    needs_native()
-    n, window = 90, 20
-    base, other = make_caches([37, 50], Sizing.DYNAMIC, dtype)
-    q, k, v = (torch.randn(LAYERS, 1, h, n, 64) for h in (6, 2, 2))
-    extra = [torch.randn(LAYERS, 1, h, 4, 64) for h in (6, 2, 2)]
-
-    def attend(cuts, beside=False):
-        cache, neighbour = clone([base, other])
-        outs = []
-        for a, b in zip(cuts, cuts[1:]):
-            spans = [(neighbour, 4), (cache, b - a)] if beside else [(cache, b - a)]
-            step = ActiveStep(spans, native=True)
-            position = torch.cat([torch.arange(c.length, c.length + m) for c, m in spans]).unsqueeze(1)
-            got = []
-            for layer in range(LAYERS):
-                x = [t[layer][:, :, a:b] for t in (q, k, v)]  # [1, H, b - a, D]
-                if beside:
-                    x = [torch.cat((e[layer], t), dim=2) for e, t in zip(extra, x)]
-                got.append(step.attend(*x, position, layer, 64**-0.5, torch.float32, window)[:, :, -(b - a):])
-            step.commit()
-            outs.append(torch.cat(got))
-        return torch.cat(outs, dim=2)
-
-    whole = attend([0, n])
-    assert torch.equal(attend(list(range(n + 1))), whole)
-    assert torch.equal(attend([0, 5, 6, 40, n]), whole)
-    assert torch.equal(attend([0, 33, n], beside=True), whole)
-
-
 def test_the_op_passes_window_and_softcap_to_the_bound_step_and_defaults_them():
     """Through torch.ops.kvcache.update_and_attend with a bound step: the window and cap reach the kernel, and a
     call that omits them (a program saved before they existed) attends the whole history uncapped."""

@@ -300,7 +300,8 @@ at::Tensor linear_blocks_meta(const at::Tensor& x, at::TensorList, at::IntArrayR
 }
 
 at::Tensor rows_blocks_meta(const at::Tensor& w, const at::Tensor& index, int64_t kind) {
-  const int64_t qk = kind == KIND_Q6_K ? 16 : QK;
+  int64_t qk = 0;
+  with_format(kind, [&](auto tag) { qk = decltype(tag)::type::qk; });
   return at::empty_symint({index.sym_numel(), w.sym_size(1) * qk}, w.options().dtype(at::kFloat));
 }
 

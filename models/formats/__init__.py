@@ -50,7 +50,7 @@ class BlockFormat:
     block: int
     bytes: int
     kind_name: str
-    decode: Callable[[torch.Tensor], Decoded]  # raw [R, nb, bytes] uint8 -> quants [R, nb', qk], fields [R, nb'] each
+    decode: Callable[[torch.Tensor], Decoded]  # raw [R, nb, bytes] -> quants [R, nb', qk], fields (PanelKind.pack's)
 
     @property
     def kind(self) -> PanelKind:
@@ -69,7 +69,7 @@ class BlockFormat:
             r1 = min(n, r0 + CHUNK_ROWS)
             q, fields = self._decoded(read_rows(r0, r1))
             if out is None:
-                out = torch.empty(panel_count(n), q.shape[1], self.kind.bytes, dtype=torch.uint8)
+                out = torch.empty(panel_count(n), q.shape[1] // self.kind.sub, self.kind.bytes, dtype=torch.uint8)
             pack(q, fields, self.kind, out[r0 // 8 : r0 // 8 + panel_count(r1 - r0)])
         return out
 

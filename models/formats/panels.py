@@ -1,11 +1,14 @@
 """Panels: the layout every block format is repacked into for the CPU kernels (kernels/panel_formats.h).
 
-A weight of N rows becomes [P, nb, bytes] uint8, P = N/8 rounded up to an even count (rows past N are
-zeros), nb = K/qk: panel p holds rows 8p..8p+7, and its block b their b-th block of qk weights, as
+A weight of N rows becomes [P, units, bytes] uint8, P = N/8 rounded up to an even count (rows past N are
+zeros): panel p holds rows 8p..8p+7, in units of `sub` blocks of qk weights. Each block is
     quants, by pairs of k, feature beside feature:
-        4-bit kinds, 128 bytes: byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4
-        byte kinds, qk*8 bytes: byte 16j + 2f + e = q_f[2j + e]
-    then each of the kind's fields, the 8 features' values side by side (fp16, fp32 or a byte each).
+        nibbles, qk*4 bytes: byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4
+        nibbles6 (given q - 32, held q, 0..63), qk*6 bytes, 24 a chunk c of 4 k: the nibbles' 16 bytes of low 4 bits,
+            then 8 bytes whose nibble l = 2f + e is q_f[4c + e] >> 4 | (q_f[4c + 2 + e] >> 4) << 2
+        bytes, qk*8 bytes: byte 16j + 2f + e = q_f[2j + e]
+    then each of the kind's per-block fields, the 8 features' values side by side (fp16, fp32 or a byte);
+and after a unit's blocks, the fields they share (a K-quant super-block's d), the same way, once.
 One extending load then gives two k of all 8 features as int16, the operand of a broadcast multiply. Each
 kind computes a block's scale and min from its fields; every weight is scale*q + min.
 """
@@ -17,6 +20,7 @@ import torch
 
 PANEL, PANEL_GROUP = 8, 2  # features per panel; panels per kernel tile, so P is a multiple of it
 FIELD_DTYPES = {"f16": torch.float16, "f32": torch.float32, "u8": torch.uint8, "i8": torch.int8}
+QUANT_BYTES = {"nibbles": 4, "nibbles6": 6, "bytes": 8}  # a block's quant bytes per weight of a feature
 
 
 @dataclass(frozen=True)
@@ -26,21 +30,34 @@ class PanelKind:
     name: str
     id: int
     qk: int
-    nibbles: bool
-    signed: bool  # quant bytes are int8 (else unsigned)
-    fields: tuple[str, ...]
+    quants: str  # a key of QUANT_BYTES
+    signed: bool  # the quants given and taken are int8 (else unsigned)
+    fields: tuple[str, ...]  # each block's
+    shared: tuple[str, ...] = ()  # once a unit, for its blocks
+    sub: int = 1  # blocks a unit
 
     @property
     def quant_bytes(self) -> int:
-        return 128 if self.nibbles else self.qk * PANEL
+        return self.qk * QUANT_BYTES[self.quants]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.quant_bytes + _field_bytes(self.fields)
 
     @property
     def bytes(self) -> int:
-        return self.quant_bytes + sum(PANEL * FIELD_DTYPES[f].itemsize for f in self.fields)
+        """A unit's."""
+        return self.sub * self.block_bytes + _field_bytes(self.shared)
+
+    @property
+    def unit(self) -> int:
+        """Weights a unit, of each feature."""
+        return self.qk * self.sub
 
     def scale_min(self, fields: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block's fields [R, nb] each -> its scale and min [R, nb] float32, as the kernel computes them."""
-        f = [x.float() for x in fields]
+        """A block's fields [R, nb] each, then the shared ones [R, nb / sub] -> its scale and min [R, nb]
+        float32, as the kernel computes them."""
+        f = [x.float() if i < len(self.fields) else x.float().repeat_interleave(self.sub, dim=-1) for i, x in enumerate(fields)]
         zero = torch.zeros_like(f[0])
         return {
             "q4": lambda: (f[0], f[1]),
@@ -58,13 +75,17 @@ class PanelKind:
         return (scale.unsqueeze(-1) * values + low.unsqueeze(-1)).reshape(q.shape[0], -1)
 
 
+def _field_bytes(fields: tuple[str, ...]) -> int:
+    return sum(PANEL * FIELD_DTYPES[f].itemsize for f in fields)
+
+
 KINDS = {k.name: k for k in (
-    PanelKind("q4", 0, 32, True, False, ("f16", "f16")),  # Q4_1: d, m
-    PanelKind("q8", 1, 32, False, True, ("f16",)),  # Q8_0, Q5_0 (q - 16): d
-    PanelKind("q4_0", 2, 32, True, False, ("f16",)),  # Q4_0: d, the min -8d
-    PanelKind("q4_k", 3, 32, True, False, ("u8", "u8", "f16", "f16")),  # Q4_K: sc, m, d, dmin
-    PanelKind("u8", 4, 32, False, False, ("f32", "f32")),  # Q5_1, Q5_K: scale, min
-    PanelKind("q6_k", 5, 16, False, True, ("i8", "f16")),  # Q6_K (q - 32): sc, d
+    PanelKind("q4", 0, 32, "nibbles", False, ("f16", "f16")),  # Q4_1: d, m
+    PanelKind("q8", 1, 32, "bytes", True, ("f16",)),  # Q8_0, Q5_0 (q - 16): d
+    PanelKind("q4_0", 2, 32, "nibbles", False, ("f16",)),  # Q4_0: d, the min -8d
+    PanelKind("q4_k", 3, 32, "nibbles", False, ("u8", "u8"), ("f16", "f16"), 8),  # Q4_K: sc, m; d, dmin
+    PanelKind("u8", 4, 32, "bytes", False, ("f32", "f32")),  # Q5_1, Q5_K: scale, min
+    PanelKind("q6_k", 5, 16, "nibbles6", True, ("i8",), ("f16",), 16),  # Q6_K (q - 32): sc; d
 )}
 
 
@@ -72,27 +93,49 @@ def panel_count(n: int) -> int:
     return -(-n // (PANEL * PANEL_GROUP)) * PANEL_GROUP
 
 
+def _side_by_side(values: list[torch.Tensor], dtypes: tuple[str, ...], p: int) -> torch.Tensor:
+    """Fields [P*8, n] each -> [P, n, bytes]: each field's 8 features' values side by side, field after field."""
+    parts = []
+    for value, dtype in zip(values, dtypes):
+        b = value.to(FIELD_DTYPES[dtype]).contiguous().view(torch.uint8)  # [P*8, n * size]
+        parts.append(b.reshape(p, PANEL, value.shape[1], -1).permute(0, 2, 1, 3).reshape(p, value.shape[1], -1))
+    return torch.cat(parts, dim=-1)
+
+
+def _quant_bytes(q: torch.Tensor, kind: PanelKind) -> torch.Tensor:
+    """quants [P, f, nb, qk] -> [P, nb, kind.quant_bytes] in the kind's layout."""
+    p, _, nb, qk = q.shape
+    if kind.quants == "bytes":
+        return q.reshape(p, PANEL, nb, qk // 2, 2).permute(0, 2, 3, 1, 4).reshape(p, nb, -1)  # [P, nb, pair, f, e]
+    if kind.quants == "nibbles6":
+        q = (q.view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
+    q = q.reshape(p, PANEL, nb, qk // 4, 2, 2)  # [P, f, nb, c, h, e]: pairs 2c and 2c + 1 share bytes
+    low = q & 0x0F
+    nib = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, nb, qk // 4, 16)  # [P, nb, c, lane]
+    if kind.quants == "nibbles":
+        return nib.reshape(p, nb, -1)
+    high = q >> 4
+    lanes = (high[..., 0, :] | (high[..., 1, :] << 2)).permute(0, 2, 3, 1, 4).reshape(p, nb, qk // 4, 8, 2)
+    return torch.cat([nib, lanes[..., 0] | (lanes[..., 1] << 4)], dim=-1).reshape(p, nb, -1)  # [P, nb, c, 24]
+
+
 def pack(q: torch.Tensor, fields: list[torch.Tensor], kind: PanelKind, out: torch.Tensor | None = None) -> torch.Tensor:
-    """quants [R, nb, qk] uint8 (int8 bytes as uint8) and fields [R, nb] each -> panels
-    [panel_count(R), nb, kind.bytes] uint8, written into `out` if given (each part straight to its place)."""
+    """quants [R, nb, qk] uint8 (int8 bytes as uint8), a block's fields [R, nb] each, then the shared ones
+    [R, nb / sub] -> panels [panel_count(R), nb / sub, kind.bytes] uint8, written into `out` if given (each
+    part straight to its place)."""
     r, nb, qk = q.shape
-    assert qk == kind.qk and len(fields) == len(kind.fields), "quants and fields of this kind"
+    assert qk == kind.qk and nb % kind.sub == 0 and len(fields) == len(kind.fields) + len(kind.shared), "this kind's"
     p = panel_count(r)
     if p * PANEL != r:  # the last panels' missing rows are zeros
         q = torch.cat([q, q.new_zeros(p * PANEL - r, nb, qk)])
-        fields = [torch.cat([f, f.new_zeros(p * PANEL - r, nb)]) for f in fields]
-    out = torch.empty(p, nb, kind.bytes, dtype=torch.uint8) if out is None else out
-    q = q.reshape(p, PANEL, nb, qk // 2, 2)  # [P, f, nb, pair, e]
-    if kind.nibbles:  # pairs 2c and 2c + 1 share bytes: low and high nibble
-        q = q.reshape(p, PANEL, nb, qk // 4, 2, 2)  # [P, f, nb, c, h, e]
-        q = q[..., 0, :] | (q[..., 1, :] << 4)  # [P, f, nb, c, e]
-    at = kind.quant_bytes
-    out[..., :at].view(p, nb, -1, PANEL, 2).copy_(q.permute(0, 2, 3, 1, 4))  # [P, nb, pair (or c), f, e]
-    for value, dtype in zip(fields, kind.fields):
-        b = value.to(FIELD_DTYPES[dtype]).contiguous().view(torch.uint8).reshape(p, PANEL, nb, -1)  # [P, f, nb, size]
-        size = b.shape[-1]
-        out[..., at : at + PANEL * size].view(p, nb, PANEL, size).copy_(b.permute(0, 2, 1, 3))  # [P, nb, f, size]
-        at += PANEL * size
+        fields = [torch.cat([f, f.new_zeros(p * PANEL - r, f.shape[1])]) for f in fields]
+    units = nb // kind.sub
+    out = torch.empty(p, units, kind.bytes, dtype=torch.uint8) if out is None else out
+    n = len(kind.fields)
+    blocks = torch.cat([_quant_bytes(q.reshape(p, PANEL, nb, qk), kind), _side_by_side(fields[:n], kind.fields, p)], dim=-1)
+    out[..., : kind.sub * kind.block_bytes].copy_(blocks.reshape(p, units, -1))  # [P, units, sub * block]
+    if kind.shared:
+        out[..., kind.sub * kind.block_bytes :].copy_(_side_by_side(fields[n:], kind.shared, p))
     return out
 
 

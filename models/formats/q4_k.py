@@ -1,5 +1,5 @@
 """Q4_K: 256 weights in 144 bytes: fp16 d and dmin, 12 bytes of 6-bit scales and mins for 8 blocks of
-32, 128 bytes of nibbles; w = d*sc*q - dmin*m. Panels: q4_k, the 6-bit pair a byte each and d, dmin per block."""
+32, 128 bytes of nibbles; w = d*sc*q - dmin*m. Panels: q4_k, the 6-bit pair a byte each, d and dmin once a super-block."""
 import torch
 
 from . import BlockFormat, halves
@@ -12,17 +12,12 @@ def scales_and_mins(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, m
 
 
-def per_block(x: torch.Tensor, blocks: int) -> torch.Tensor:
-    """A super-block's field [R, nb] -> [R, nb * blocks], repeated for each of its blocks."""
-    return x.repeat_interleave(blocks, dim=-1)
-
-
 def decode(raw):
     r, nb = raw.shape[:2]
     qs = raw[..., 16:144].reshape(r, nb, 4, 32)  # 4 chunks of 64 weights: low nibbles, then high
     q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(r, nb * 8, 32)  # [R, blocks, 32]
     sc, m = scales_and_mins(raw[..., 4:16])
-    return q, [sc.reshape(r, -1), m.reshape(r, -1), per_block(halves(raw, 0), 8), per_block(halves(raw, 2), 8)]
+    return q, [sc.reshape(r, -1), m.reshape(r, -1), halves(raw, 0), halves(raw, 2)]
 
 
 FORMAT = BlockFormat("Q4_K", 256, 144, "q4_k", decode)

@@ -3,7 +3,12 @@ bits, 128 bytes of nibbles; w = d*sc*q - dmin*m. Panels: u8, with d*sc and -dmin
 import torch
 
 from . import BlockFormat, halves
-from .q4_k import per_block, scales_and_mins
+from .q4_k import scales_and_mins
+
+
+def per_block(x: torch.Tensor, blocks: int) -> torch.Tensor:
+    """A super-block's field [R, nb] -> [R, nb * blocks], repeated for each of its blocks."""
+    return x.repeat_interleave(blocks, dim=-1)
 
 
 def decode(raw):

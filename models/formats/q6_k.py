@@ -1,9 +1,8 @@
 """Q6_K: 256 weights in 210 bytes: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales (one a
-16 weights), fp16 d; w = d*sc*(q - 32). Panels: q6_k, blocks of 16, the int8 q - 32."""
+16 weights), fp16 d; w = d*sc*(q - 32). Panels: q6_k, blocks of 16, 6 bits a weight, d once a super-block."""
 import torch
 
 from . import BlockFormat, halves
-from .q4_k import per_block
 
 
 def decode(raw):
@@ -15,7 +14,7 @@ def decode(raw):
     q = low.reshape(r, nb, 2, 4, 32) | (high << 4)  # weight 128 half + 32 group + l, 0..63
     q = (q.to(torch.int16) - 32).to(torch.int8).view(torch.uint8).reshape(r, nb * 16, 16)
     sc = raw[..., 192:208].contiguous().view(torch.int8).reshape(r, -1)
-    return q, [sc, per_block(halves(raw, 208), 16)]
+    return q, [sc, halves(raw, 208)]
 
 
 FORMAT = BlockFormat("Q6_K", 256, 210, "q6_k", decode)

@@ -1,13 +1,14 @@
 // The panel block formats of quant_matmul.cpp: each of GGUF's block formats, repacked losslessly by
 // models/formats/ so that 8 output features sit side by side (models/formats/panels.py has the layout).
-// A panel block is qk weights of each of the 8 features:
-//   quants, then the features' per-block fields (scales, mins, or what they are computed from).
+// A panel is the 8 features' blocks of qk weights in units of `sub` blocks: each block's quants, then its
+// per-block fields (scales, mins, or what they are computed from); after a unit's blocks, the fields its
+// blocks share (a K-quant super-block's d and dmin), once. `bytes` is a unit's size.
 // pairs(p, a, b) gives, from chunk j of a block, k pairs 2j and 2j + 1 of the 8 features as int16 lanes
-// [f][e]; scales(p) and mins(p) the 8 features' scales and mins as float32, such that w = scale*q + min;
-// quant(p, f, k) one weight's integer, for the row lookups of an embedding.
+// [f][e] (q + bias); Batch is the format a batch unpacks it into, a byte a weight; scales(panel, b) and mins(panel, b) block b's 8 scales and mins as float32, such that
+// w = scale*q + min; quant(block, f, k) one weight's integer, for the row lookups of an embedding.
 // Why these and not one format for all: the bytes a step reads are the lever at one stream, so each
-// keeps its file's bits where the pairs can be unpacked in a few instructions (4-bit ones), and widens to
-// a byte a weight where they cannot (5- and 6-bit ones).
+// keeps its file's bits where the pairs can be unpacked in a few instructions (the 4- and 6-bit ones),
+// and widens to a byte a weight where they cannot (the 5-bit ones).
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -23,10 +24,17 @@ inline __m256 eight_i8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// Where a panel's blocks lie: units of SUB blocks of BLOCK bytes, then HEADER bytes the unit's blocks share.
+template <int64_t BLOCK, int64_t SUB = 1, int64_t HEADER = 0>
+struct Units {
+  static constexpr int64_t block_bytes = BLOCK, sub = SUB, bytes = SUB * BLOCK + HEADER;
+  static inline const uint8_t* block(const uint8_t* panel, int64_t b) { return panel + (b / SUB) * bytes + (b % SUB) * BLOCK; }
+  static inline const uint8_t* header(const uint8_t* panel, int64_t b) { return panel + (b / SUB) * bytes + SUB * BLOCK; }
+};
+
 // 4-bit quants, 128 bytes a block: byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4.
 struct Nibbles {
-  static constexpr int64_t qk = 32, quants = 128, chunk = 16;
-  static constexpr bool nibbles = true;
+  static constexpr int64_t qk = 32, quants = 128, chunk = 16, unpack_from = 16, bias = 0;
   static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
     const __m256i w = _mm256_cvtepu8_epi16(load128(p));  // byte j -> word j
     a = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
@@ -35,11 +43,32 @@ struct Nibbles {
   static inline int quant(const uint8_t* p, int f, int k) { return (p[16 * (k / 4) + 2 * f + (k & 1)] >> (4 * ((k / 2) & 1))) & 15; }
 };
 
+// 6-bit quants (0..63), blocks of 16, 24 bytes a chunk of 4 k: 16 bytes of low nibbles as in Nibbles,
+// then 8 of high bit pairs, lane l = 2f + e's (pair 2j's | pair 2j + 1's << 2) in nibble l.
+struct Nibbles6 {
+  static constexpr int64_t qk = 16, quants = 96, chunk = 24, unpack_from = 8;
+  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
+    const __m256i w = _mm256_cvtepu8_epi16(load128(p));
+    const __m128i h8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16));
+    // byte l = nibble l << 4 (below it, bits the masks drop): lane l's two high pairs at bits 4-5, 6-7
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_slli_epi16(h8, 4), h8));
+    const __m256i at45 = _mm256_set1_epi16(0x30);
+    a = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(0x0F)), _mm256_and_si256(h, at45));
+    b = _mm256_or_si256(_mm256_srli_epi16(w, 4), _mm256_and_si256(_mm256_srli_epi16(h, 2), at45));
+  }
+  static inline int quant(const uint8_t* p, int f, int k) {
+    const int c = k / 4, h = (k / 2) & 1, l = 2 * f + (k & 1);
+    const int low = (p[24 * c + l] >> (4 * h)) & 15;
+    const int high = (p[24 * c + 16 + l / 2] >> (4 * (l & 1) + 2 * h)) & 3;
+    return low | high << 4;
+  }
+};
+
 // A byte a weight, qk * 8 bytes a block: byte 16j + 2f + e = q_f[2j + e]; signed or not.
 template <int64_t QK_, bool SIGNED>
 struct Bytes {
-  static constexpr int64_t qk = QK_, quants = QK_ * 8, chunk = 32;
-  static constexpr bool nibbles = false;
+  static constexpr int64_t qk = QK_, quants = QK_ * 8, chunk = 32, unpack_from = 0, bias = 0;
+  static constexpr bool is_signed = SIGNED;
   static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
     if constexpr (SIGNED) {
       a = _mm256_cvtepi8_epi16(load128(p));
@@ -55,55 +84,63 @@ struct Bytes {
   }
 };
 
+// A byte a weight, float32 scale (and min): Q5_1 and Q5_K, and the 4-/6-bit formats unpacked for a batch.
+template <int64_t QK_, bool SIGNED, bool MIN = true>
+struct Unpacked : Bytes<QK_, SIGNED>, Units<QK_ * 8 + (MIN ? 64 : 32)> {
+  static constexpr bool has_min = MIN;
+  using Batch = Unpacked;
+  static inline const float* fields(const uint8_t* p, int64_t b) {
+    return reinterpret_cast<const float*>(Units<QK_ * 8 + (MIN ? 64 : 32)>::block(p, b) + QK_ * 8);
+  }
+  static inline __m256 scales(const uint8_t* p, int64_t b) { return _mm256_loadu_ps(fields(p, b)); }
+  static inline __m256 mins(const uint8_t* p, int64_t b) { return MIN ? _mm256_loadu_ps(fields(p, b) + 8) : _mm256_setzero_ps(); }
+};
+using U8 = Unpacked<32, false>;
+
 // Q4_1: fp16 d, fp16 m; w = d*q + m.
-struct Q4_1 : Nibbles {
-  static constexpr int64_t bytes = 160;
+struct Q4_1 : Nibbles, Units<160> {
   static constexpr bool has_min = true;
-  static inline __m256 scales(const uint8_t* p) { return eight_halves(p + quants); }
-  static inline __m256 mins(const uint8_t* p) { return eight_halves(p + quants + 16); }
+  using Batch = U8;
+  static inline __m256 scales(const uint8_t* p, int64_t b) { return eight_halves(block(p, b) + quants); }
+  static inline __m256 mins(const uint8_t* p, int64_t b) { return eight_halves(block(p, b) + quants + 16); }
 };
 
 // Q4_0: fp16 d; w = d*(q - 8), the -8d a min, exact in float32.
-struct Q4_0 : Nibbles {
-  static constexpr int64_t bytes = 144;
+struct Q4_0 : Nibbles, Units<144> {
   static constexpr bool has_min = true;
-  static inline __m256 scales(const uint8_t* p) { return eight_halves(p + quants); }
-  static inline __m256 mins(const uint8_t* p) { return _mm256_mul_ps(scales(p), _mm256_set1_ps(-8.0f)); }
+  using Batch = U8;
+  static inline __m256 scales(const uint8_t* p, int64_t b) { return eight_halves(block(p, b) + quants); }
+  static inline __m256 mins(const uint8_t* p, int64_t b) { return _mm256_mul_ps(scales(p, b), _mm256_set1_ps(-8.0f)); }
 };
 
-// Q4_K: a 32-weight sub-block's 6-bit scale and min (u8), then its super-block's fp16 d and dmin;
+// Q4_K: a 32-weight block's 6-bit scale and min (u8), and, once a super-block of 8, fp16 d and dmin;
 // w = d*sc*q - dmin*m (each product exact in float32).
-struct Q4_K : Nibbles {
-  static constexpr int64_t bytes = 176;
+struct Q4_K : Nibbles, Units<144, 8, 32> {
   static constexpr bool has_min = true;
-  static inline __m256 scales(const uint8_t* p) { return _mm256_mul_ps(eight_halves(p + quants + 16), eight_u8(p + quants)); }
-  static inline __m256 mins(const uint8_t* p) {
-    return _mm256_mul_ps(eight_halves(p + quants + 32), _mm256_mul_ps(eight_u8(p + quants + 8), _mm256_set1_ps(-1.0f)));
+  using Batch = U8;
+  static inline __m256 scales(const uint8_t* p, int64_t b) { return _mm256_mul_ps(eight_halves(header(p, b)), eight_u8(block(p, b) + quants)); }
+  static inline __m256 mins(const uint8_t* p, int64_t b) {
+    return _mm256_mul_ps(eight_halves(header(p, b) + 16), _mm256_mul_ps(eight_u8(block(p, b) + quants + 8), _mm256_set1_ps(-1.0f)));
   }
 };
 
 // Q8_0, and Q5_0 as q - 16: int8, fp16 d; w = d*q.
-struct Q8_0 : Bytes<32, true> {
-  static constexpr int64_t bytes = 272;
+struct Q8_0 : Bytes<32, true>, Units<272> {
   static constexpr bool has_min = false;
-  static inline __m256 scales(const uint8_t* p) { return eight_halves(p + quants); }
-  static inline __m256 mins(const uint8_t*) { return _mm256_setzero_ps(); }
+  using Batch = Q8_0;
+  static inline __m256 scales(const uint8_t* p, int64_t b) { return eight_halves(block(p, b) + quants); }
+  static inline __m256 mins(const uint8_t*, int64_t) { return _mm256_setzero_ps(); }
 };
 
-// Q5_1 and Q5_K, and Q4_1/Q4_0/Q4_K unpacked for a batch: u8, float32 scale and min; w = s*q + m.
-struct U8 : Bytes<32, false> {
-  static constexpr int64_t bytes = 320;
+
+// Q6_K: blocks of 16, their int8 scale, and once a super-block of 16, fp16 d; w = d*sc*q - 32*d*sc (each
+// product exact in float32, and so is their sum). Unpacked for a batch as q - 32, without the min.
+struct Q6_K : Nibbles6, Units<104, 16, 16> {
   static constexpr bool has_min = true;
-  static inline __m256 scales(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p + quants)); }
-  static inline __m256 mins(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p + quants) + 8); }
-};
-
-// Q6_K as q - 32: blocks of 16, int8, then the 16's int8 scale and its super-block's fp16 d; w = d*sc*q.
-struct Q6_K : Bytes<16, true> {
-  static constexpr int64_t bytes = 152;
-  static constexpr bool has_min = false;
-  static inline __m256 scales(const uint8_t* p) { return _mm256_mul_ps(eight_halves(p + quants + 8), eight_i8(p + quants)); }
-  static inline __m256 mins(const uint8_t*) { return _mm256_setzero_ps(); }
+  static constexpr int64_t bias = 32;  // subtracted as it is unpacked
+  using Batch = Unpacked<16, true, false>;
+  static inline __m256 scales(const uint8_t* p, int64_t b) { return _mm256_mul_ps(eight_halves(header(p, b)), eight_i8(block(p, b) + quants)); }
+  static inline __m256 mins(const uint8_t* p, int64_t b) { return _mm256_mul_ps(scales(p, b), _mm256_set1_ps(-32.0f)); }
 };
 
 // The kinds as models/formats/panels.py numbers them.

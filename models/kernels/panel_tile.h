@@ -3,9 +3,9 @@
 // are exact either way, so both give bitwise the same outputs. The includer defines the formats, GROUP,
 // PANEL and TileFn, and wraps this in a namespace of its own.
 
-// KVSERVE_DOT2(sum, lo, x0, hi, x1): sum + lo . x0 + hi . x1, in int32 lanes.
-#ifndef KVSERVE_DOT2
-#error "define KVSERVE_DOT2 before including panel_tile.h"
+// KVSERVE_DOT2(sum, lo, x0, hi, x1): sum + lo . x0 + hi . x1, in int32 lanes; KVSERVE_DOT1 one of them.
+#if !defined(KVSERVE_DOT2) || !defined(KVSERVE_DOT1)
+#error "define KVSERVE_DOT1 and KVSERVE_DOT2 before including panel_tile.h"
 #endif
 
 // out[r][0..8 * GROUP) for R activation rows by the GROUP panels from q (each nb blocks): per block, R x
@@ -19,14 +19,18 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int64_t next = nb * F::bytes;  // from one panel to the next
+  const int64_t next = nb / F::sub * F::bytes;  // from one panel to the next
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr)
-      for (int64_t at = b * C * F::bytes; at < (b + 1) * C * F::bytes; at += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
-    __m256i sum[R][C];
+    if (ahead != nullptr)  // a block's share of the group's bytes
+      for (int64_t at = b * C * F::bytes / F::sub; at < (b + 1) * C * F::bytes / F::sub; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+    // With one row, each sum is a chain of 2 qk/4 dependent multiply-adds, which a vpdpwssd's latency
+    // would pace below the read bandwidth: the high pairs go to sums of their own, added at the end.
+    constexpr bool SPLIT = R == 1;
+    __m256i sum[R][C], high[R][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) sum[r][c] = _mm256_setzero_si256();
-    const uint8_t* qb = q + b * F::bytes;
+      for (int c = 0; c < C; ++c) sum[r][c] = high[r][c] = _mm256_setzero_si256();
+    const uint8_t* qb = F::block(q, b);  // block b of the first panel; the others' lie `next` apart
     const int32_t* xb[R];  // each row's block as k pairs
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
 #pragma GCC unroll 2
@@ -35,14 +39,22 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
       for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
       for (int r = 0; r < R; ++r) {
         const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
-        for (int c = 0; c < C; ++c)
-          sum[r][c] = KVSERVE_DOT2(sum[r][c], lo[c], x0, hi[c], x1);
+        for (int c = 0; c < C; ++c) {
+          if constexpr (SPLIT) {
+            sum[r][c] = KVSERVE_DOT1(sum[r][c], lo[c], x0);
+            high[r][c] = KVSERVE_DOT1(high[r][c], hi[c], x1);
+          } else {
+            sum[r][c] = KVSERVE_DOT2(sum[r][c], lo[c], x0, hi[c], x1);
+          }
+        }
       }
     }
+    if constexpr (SPLIT)  // exact: the integer sums do not depend on how they are split
+      for (int c = 0; c < C; ++c) sum[0][c] = _mm256_add_epi32(sum[0][c], high[0][c]);
     __m256 dw[C], mw[C];
     for (int c = 0; c < C; ++c) {
-      dw[c] = F::scales(qb + c * next);
-      mw[c] = F::mins(qb + c * next);
+      dw[c] = F::scales(q + c * next, b);
+      mw[c] = F::mins(q + c * next, b);
     }
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(xd[r * nb + b]), sx = _mm256_set1_ps(xs[r * nb + b]);

@@ -3,8 +3,10 @@
 // Op contracts (registered as kvserve_native::*):
 //   linear_blocks(x [..., K] f32, ws [w_i], ns [n_i], kinds [kind_i]) -> [..., sum n_i] f32
 //       each w_i the n_i-row weight as panels of its kind (panel_formats.h; models/formats/panels.py
-//       writes them): panel p holds rows 8p..8p+7, and its block b their block b, the quants by pairs of
-//       k, feature beside feature, then the 8 features' fields. P = n/8 rounded up to an even count.
+//       writes them): [P, units, unit bytes], panel p holding rows 8p..8p+7, and its blocks their blocks,
+//       the quants by pairs of k, feature beside feature, then the 8 features' fields; a unit is one
+//       block, or a K-quant super-block's blocks and then their shared fields. P = n/8 rounded up to an
+//       even count.
 //       The parts' outputs sit side by side, in order.
 //   rows_blocks(w, index [R] i64, kind) -> [R, K] f32: rows `index` of that weight, dequantized (an
 //       embedding's lookup), each weight scale*q + min
@@ -44,9 +46,6 @@ constexpr int64_t ROWS = 3;          // activation rows per tile
 constexpr int64_t GROUP = 2;         // panels per tile
 constexpr int64_t ROW_CHUNK = 128;   // activation rows kept in L2 while a thread walks its panels
 constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass tile prefetches
-// From this many rows in a chunk on, a Q4 group is first unpacked to a byte a weight (Q4Bytes): the tile
-// is then bound by the multiply-adds alone, and the unpacking, once per chunk, costs less than it saves.
-constexpr int64_t UNPACK_ROWS = 16;
 // Where the CPU has AVX512-VNNI, from this many rows on the wide path (wide_tile.h) runs: its unpacking
 // pays for itself from fewer rows, as its tile does twice the multiply-adds an instruction.
 constexpr int64_t WIDE_FROM_ROWS = 8;
@@ -101,21 +100,34 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 }
 
 using namespace kvserve_panels;
-using Q4Bytes = U8;  // a 4-bit group unpacked to a byte a weight, its scales and mins as float32
 
-// GROUP panels of a 4-bit format F, nb blocks from q -> Q4Bytes blocks into `to`.
+// The bytes of one panel of F holding nb blocks.
 template <class F>
-inline void unpack_nibbles(const uint8_t* q, int64_t nb, uint8_t* to) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  for (int64_t i = 0; i < GROUP * nb; ++i, q += F::bytes, to += Q4Bytes::bytes) {
-    for (int64_t c = 0; c < F::quants / 16; ++c) {
-      const __m128i v = load128(q + 16 * c);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + 32 * c), _mm_and_si128(v, low));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(to + 32 * c + 16), _mm_and_si128(_mm_srli_epi16(v, 4), low));
+constexpr int64_t panel_bytes(int64_t nb) { return nb / F::sub * F::bytes; }
+
+// GROUP panels of F, nb blocks each from q -> the same panels unpacked to a byte a weight (F::Batch)
+// at `to`: from unpack_from rows on, the tile is then bound by the multiply-adds alone, and the unpacking,
+// once per chunk of rows, costs less than it saves.
+template <class F>
+inline void unpack_bytes(const uint8_t* q, int64_t nb, uint8_t* to) {
+  using U = typename F::Batch;
+  for (int64_t c = 0; c < GROUP; ++c, q += panel_bytes<F>(nb))
+    for (int64_t b = 0; b < nb; ++b, to += U::bytes) {
+      const uint8_t* block = F::block(q, b);
+      for (int64_t j = 0; j < F::qk / 4; ++j) {
+        __m256i lo, hi;
+        F::pairs(block + j * F::chunk, lo, hi);
+        if constexpr (F::bias != 0) {
+          lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(F::bias));
+          hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(F::bias));
+        }
+        // packs interleaves 128-bit lanes (lo0 hi0 lo1 hi1); the permute restores lo0 lo1 hi0 hi1
+        const __m256i packed = U::is_signed ? _mm256_packs_epi16(lo, hi) : _mm256_packus_epi16(lo, hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * j), _mm256_permute4x64_epi64(packed, 0xD8));
+      }
+      _mm256_storeu_ps(reinterpret_cast<float*>(to + U::quants), F::scales(q, b));
+      if (U::has_min) _mm256_storeu_ps(reinterpret_cast<float*>(to + U::quants) + 8, F::mins(q, b));
     }
-    _mm256_storeu_ps(reinterpret_cast<float*>(to + Q4Bytes::quants), F::scales(q));
-    _mm256_storeu_ps(reinterpret_cast<float*>(to + Q4Bytes::quants) + 8, F::mins(q));
-  }
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t,
@@ -124,16 +136,20 @@ using TileFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, c
 namespace avx2 {
 #define KVSERVE_DOT2(sum, lo, x0, hi, x1) \
   _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)))
+#define KVSERVE_DOT1(sum, lo, x0) _mm256_add_epi32(sum, _mm256_madd_epi16(lo, x0))
 #include "panel_tile.h"
 #undef KVSERVE_DOT2
+#undef KVSERVE_DOT1
 }  // namespace avx2
 
 #pragma GCC push_options
 #pragma GCC target("avx512vnni,avx512vl")
 namespace vnni {
 #define KVSERVE_DOT2(sum, lo, x0, hi, x1) _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(sum, lo, x0), hi, x1)
+#define KVSERVE_DOT1(sum, lo, x0) _mm256_dpwssd_epi32(sum, lo, x0)
 #include "panel_tile.h"
 #undef KVSERVE_DOT2
+#undef KVSERVE_DOT1
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -166,23 +182,23 @@ bool has_wide() {
 // out [M, N] (rows ldo apart) = x [M, K] by the N-feature weight held as these panels of F.
 template <class F>
 void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out, int64_t ldo) {
-  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * nb * F::bytes;
-  if constexpr (F::qk == QK)
-    if (M >= WIDE_FROM_ROWS && has_wide()) return wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
+  using U = typename F::Batch;
+  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * panel_bytes<F>(nb);
+  if (M >= WIDE_FROM_ROWS && has_wide()) return wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
   const bool use_vnni = has_vnni();
   const TileFn* packed_tiles = use_vnni ? vnni::tiles<F> : avx2::tiles<F>;
-  const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<Q4Bytes> : avx2::tiles<Q4Bytes>;
+  const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<U> : avx2::tiles<U>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
-    if (F::nibbles && M >= UNPACK_ROWS) unpacked.resize(GROUP * nb * Q4Bytes::bytes);
+    if (F::unpack_from && M >= F::unpack_from) unpacked.resize(GROUP * nb * U::bytes);
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
       const int64_t r1 = std::min(M, r0 + ROW_CHUNK);
       const bool one_pass = r1 - r0 <= ROWS;  // each panel read once: stream them, prefetching ahead
-      const bool unpack = F::nibbles && r1 - r0 >= UNPACK_ROWS;
+      const bool unpack = F::unpack_from && r1 - r0 >= F::unpack_from;
       for (int64_t g = begin; g < end; ++g) {
         const int64_t col = g * cols, width = std::min(cols, N - col);
         const uint8_t* q = panels + g * group_bytes;
-        if (unpack) unpack_nibbles<F>(q, nb, unpacked.data());
+        if (unpack) unpack_bytes<F>(q, nb, unpacked.data());
         // past the weight's end a prefetch is only wasted, never a fault
         const uint8_t* ahead = one_pass ? q + PREFETCH_GROUPS * group_bytes : nullptr;
         for (int64_t r = r0; r < r1; r += ROWS) {
@@ -200,10 +216,11 @@ void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const
 
 template <class F>
 void check_panels(const at::Tensor& w, int64_t N, int64_t K) {
-  TORCH_CHECK(K % F::qk == 0, "x's last dimension must be a whole number of blocks of ", F::qk, ", got ", K);
+  constexpr int64_t unit = F::qk * F::sub;  // weights a unit
+  TORCH_CHECK(K % unit == 0, "x's last dimension must be a whole number of blocks of ", unit, ", got ", K);
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(0) == panel_count(N) &&
-                  w.size(1) == K / F::qk && w.size(2) == F::bytes,
-              "w must be the panels of a ", N, "-row weight for K=", K, ": [", panel_count(N), ", ", K / F::qk, ", ",
+                  w.size(1) == K / unit && w.size(2) == F::bytes,
+              "w must be the panels of a ", N, "-row weight for K=", K, ": [", panel_count(N), ", ", K / unit, ", ",
               F::bytes, "] uint8, got ", w.sizes());
 }
 
@@ -264,9 +281,9 @@ at::Tensor rows_blocks(const at::Tensor& w, const at::Tensor& index_in, int64_t 
   with_format(kind, [&](auto tag) {
     using F = typename decltype(tag)::type;
     TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(2) == F::bytes,
-                "w must be panels [P, K/", F::qk, ", ", F::bytes, "] uint8, got ", w.sizes());
+                "w must be panels [P, K/", F::qk * F::sub, ", ", F::bytes, "] uint8, got ", w.sizes());
     const at::Tensor index = index_in.to(at::kLong).contiguous();
-    const int64_t R = index.numel(), nb = w.size(1), rows = w.size(0) * PANEL;
+    const int64_t R = index.numel(), nb = w.size(1) * F::sub, rows = w.size(0) * PANEL;
     out = at::empty({R, nb * F::qk}, at::TensorOptions().dtype(at::kFloat));
     const int64_t* ip = index.data_ptr<int64_t>();
     const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -275,12 +292,12 @@ at::Tensor rows_blocks(const at::Tensor& w, const at::Tensor& index_in, int64_t 
     at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int f = static_cast<int>(ip[r] % PANEL);
-        const uint8_t* panel = wp + (ip[r] / PANEL) * nb * F::bytes;
+        const uint8_t* panel = wp + (ip[r] / PANEL) * panel_bytes<F>(nb);
         for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* block = panel + b * F::bytes;
+          const uint8_t* block = F::block(panel, b);
           alignas(32) float s[PANEL], m[PANEL];
-          _mm256_store_ps(s, F::scales(block));
-          _mm256_store_ps(m, F::mins(block));
+          _mm256_store_ps(s, F::scales(panel, b));
+          _mm256_store_ps(m, F::mins(panel, b));
           float* o = op + (r * nb + b) * F::qk;
           for (int k = 0; k < F::qk; ++k) o[k] = s[f] * static_cast<float>(F::quant(block, f, k)) + m[f];
         }
@@ -301,7 +318,7 @@ at::Tensor linear_blocks_meta(const at::Tensor& x, at::TensorList, at::IntArrayR
 
 at::Tensor rows_blocks_meta(const at::Tensor& w, const at::Tensor& index, int64_t kind) {
   int64_t qk = 0;
-  with_format(kind, [&](auto tag) { qk = decltype(tag)::type::qk; });
+  with_format(kind, [&](auto tag) { qk = decltype(tag)::type::qk * decltype(tag)::type::sub; });
   return at::empty_symint({index.sym_numel(), w.sym_size(1) * qk}, w.options().dtype(at::kFloat));
 }
 

@@ -1,6 +1,6 @@
 // The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
 // to int16, 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
-// the includer defines the panel formats, QK, GROUP, PANEL and QuantizedRows.
+// the includer defines the panel formats, GROUP, PANEL and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. The panels' bytes are unpacked once per chunk of rows
@@ -9,17 +9,22 @@
 // the same order as in panel_tile.h (the integer sums are exact), so a row's outputs are bitwise the same
 // on either path: a row never depends on how many rows share its step.
 
-constexpr int64_t WIDE_QUANTS = QK / 4 * 128;        // a block's k pairs: 8 x (low pairs, high pairs) x 64 bytes
-constexpr int64_t WIDE_BLOCK = WIDE_QUANTS + 2 * 64;  // then 16 float scales and 16 float mins
-constexpr int WIDE_ROWS = 6;                         // rows a tile: 4 x 2 int32 sums and 4 x 2 float sums in registers
+// A block of QKB weights: its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes, then 16 float scales
+// and 16 float mins.
+template <int64_t QKB>
+constexpr int64_t wide_quants = QKB / 4 * 128;
+template <int64_t QKB>
+constexpr int64_t wide_block = wide_quants<QKB> + 2 * 64;
+constexpr int WIDE_ROWS = 6;  // rows a tile: 6 x 2 int32 sums and 6 x 2 float sums in registers
 
-// A group's GROUP panels (each nb blocks of F) from q -> the wide layout, nb blocks of WIDE_BLOCK bytes at `to`.
+// A group's GROUP panels (each nb blocks of F) from q -> the wide layout, nb blocks of wide_block bytes at `to`.
 template <class F>
 inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
+  constexpr int64_t QK = F::qk, WIDE_BLOCK = wide_block<QK>, WIDE_QUANTS = wide_quants<QK>;
   static_assert(GROUP == 2 && PANEL == 8, "a wide vector is one group: two panels of 8 features");
-  const int64_t next = nb * F::bytes;
+  const uint8_t *q1 = q + nb / F::sub * F::bytes;  // the second panel
   for (int64_t b = 0; b < nb; ++b, to += WIDE_BLOCK) {
-    const uint8_t *p0 = q + b * F::bytes, *p1 = p0 + next;
+    const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     for (int64_t j = 0; j < QK / 4; ++j) {
       __m256i lo0, hi0, lo1, hi1;
       F::pairs(p0 + j * F::chunk, lo0, hi0);
@@ -31,17 +36,18 @@ inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
       _mm256_storeu_si256(at + 3, hi1);
     }
     float* s = reinterpret_cast<float*>(to + WIDE_QUANTS);
-    _mm256_storeu_ps(s, F::scales(p0));
-    _mm256_storeu_ps(s + 8, F::scales(p1));
-    _mm256_storeu_ps(s + 16, F::mins(p0));
-    _mm256_storeu_ps(s + 24, F::mins(p1));
+    _mm256_storeu_ps(s, F::scales(q, b));
+    _mm256_storeu_ps(s + 8, F::scales(q1, b));
+    _mm256_storeu_ps(s + 16, F::mins(q, b));
+    _mm256_storeu_ps(s + 24, F::mins(q1, b));
   }
 }
 
 // out[r][0..16 C) for R rows by C unpacked groups at w (each nb * WIDE_BLOCK bytes, one after another).
-template <int R, int C, bool MIN>
+template <int64_t QK, int R, int C, bool MIN>
 void wide_tile(const uint8_t* w, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
                float* out, int64_t ldo, int64_t width) {
+  constexpr int64_t WIDE_BLOCK = wide_block<QK>, WIDE_QUANTS = wide_quants<QK>;
   const int64_t stride = nb * WIDE_BLOCK;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -88,15 +94,16 @@ void wide_tile(const uint8_t* w, int64_t nb, const int16_t* xq, const float* xd,
 
 using WideFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t);
 
-template <int C, bool MIN>
-constexpr WideFn wide_tiles[WIDE_ROWS] = {wide_tile<1, C, MIN>, wide_tile<2, C, MIN>, wide_tile<3, C, MIN>, wide_tile<4, C, MIN>, wide_tile<5, C, MIN>, wide_tile<6, C, MIN>};
+template <int64_t QK, int C, bool MIN>
+constexpr WideFn wide_tiles[WIDE_ROWS] = {wide_tile<QK, 1, C, MIN>, wide_tile<QK, 2, C, MIN>, wide_tile<QK, 3, C, MIN>,
+                                          wide_tile<QK, 4, C, MIN>, wide_tile<QK, 5, C, MIN>, wide_tile<QK, 6, C, MIN>};
 
 // out [M, N] = x [M, K] by the N-feature weight held as panels of F, two groups (32 features) a tile.
 template <class F>
 void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
                  int64_t ldo, int64_t row_chunk) {
-  static_assert(F::qk == QK, "the wide layout is of blocks of 32");
-  const int64_t nb = K / QK, groups = panel_count(N) / GROUP, group_bytes = GROUP * nb * F::bytes;
+  constexpr int64_t WIDE_BLOCK = wide_block<F::qk>;
+  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * (nb / F::sub) * F::bytes;
   const int64_t units = (groups + 1) / 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> scratch;
@@ -106,7 +113,7 @@ void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const 
       for (int64_t u = begin; u < end; ++u) {
         const int64_t g = 2 * u, c = std::min<int64_t>(2, groups - g), col = g * GROUP * PANEL;
         for (int64_t i = 0; i < c; ++i) unpack_wide<F>(panels + (g + i) * group_bytes, nb, scratch.data() + i * nb * WIDE_BLOCK);
-        const WideFn* tiles = c == 2 ? wide_tiles<2, F::has_min> : wide_tiles<1, F::has_min>;
+        const WideFn* tiles = c == 2 ? wide_tiles<F::qk, 2, F::has_min> : wide_tiles<F::qk, 1, F::has_min>;
         for (int64_t r = r0; r < r1; r += WIDE_ROWS) {
           const int64_t rows = std::min<int64_t>(WIDE_ROWS, r1 - r);
           tiles[rows - 1](scratch.data(), nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K, out + r * ldo + col, ldo,

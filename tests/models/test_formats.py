@@ -38,7 +38,7 @@ def test_each_format_decodes_and_repacks_exactly(gguf_type):
     assert torch.equal(FORMATS[gguf_type].dequantize(torch.from_numpy(raw.copy())), want)
     kind = FORMATS[gguf_type].kind
     panels = stored_panels(gguf_type, raw)
-    assert panels.shape == (154, k // kind.qk, kind.bytes)
+    assert panels.shape == (154, k // kind.unit, kind.bytes)
     assert torch.equal(torch.ops.kvserve_native.rows_blocks(panels, torch.arange(rows), kind.id), want)
 
 

@@ -28,7 +28,7 @@ from kvcache.native import NativeUnavailable, load_native
 from .block_quant import BLOCK, to_panels
 from .errors import ModelLoadError
 from .formats import FLOAT_TYPES, FORMATS
-from .formats.panels import KINDS, PANEL, PANEL_GROUP
+from .formats.panels import KINDS, PANEL, PANEL_GROUP, panel_count
 from .stored import StoredTensor
 
 WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
@@ -153,15 +153,23 @@ class LinearBlocks(nn.Module):
     def from_stored(tensors: list[StoredTensor], bias: torch.Tensor | None) -> LinearBlocks:
         """Tensors of a GGUF, stacked by rows -> their panels, as stored. Neighbours of one format whose
         rows fill whole panel groups share one part."""
-        runs: list[tuple[list[torch.Tensor], str, int]] = []  # each part's panels, kind, rows
+        runs: list[tuple[list[StoredTensor], str]] = []  # each part's tensors, kind
         for t in tensors:
             t.check_type()
             kind = FORMATS[t.type].kind_name
-            if runs and runs[-1][1] == kind and runs[-1][2] % (PANEL * PANEL_GROUP) == 0:
-                runs[-1] = (runs[-1][0] + [t.panels()], kind, runs[-1][2] + t.rows)
+            if runs and runs[-1][1] == kind and sum(r.rows for r in runs[-1][0]) % (PANEL * PANEL_GROUP) == 0:
+                runs[-1][0].append(t)
             else:
-                runs.append(([t.panels()], kind, t.rows))
-        parts = [(panels[0] if len(panels) == 1 else torch.cat(panels), kind, rows) for panels, kind, rows in runs]
+                runs.append(([t], kind))
+        parts = []
+        for run, kind in runs:  # each tensor's panels written straight into its part's place
+            rows = sum(t.rows for t in run)
+            out = torch.empty(panel_count(rows), run[0].shape[-1] // KINDS[kind].unit, KINDS[kind].bytes, dtype=torch.uint8)
+            at = 0
+            for t in run:
+                t.panels(out[at : at + panel_count(t.rows)])
+                at += panel_count(t.rows)
+            parts.append((out, kind, rows))
         return LinearBlocks(parts, bias, tuple(t.type for t in tensors))
 
     def weight(self) -> torch.Tensor:

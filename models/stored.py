@@ -96,10 +96,10 @@ class StoredTensor:
             raise UnsupportedTensorType(f"tensor {self.name} has type {self.type}, which cannot be read here") from None
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
-    def panels(self) -> torch.Tensor:
-        """The tensor repacked as its format's panels, chunk by chunk."""
+    def panels(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor repacked as its format's panels, chunk by chunk (into `out` if given)."""
         with self._reading():
-            return FORMATS[self.type].panels(self.read_rows, self.rows)
+            return FORMATS[self.type].panels(self.read_rows, self.rows, out)
 
     @contextlib.contextmanager
     def _reading(self):

@@ -62,9 +62,8 @@ class BlockFormat:
     def _decoded(self, raw: torch.Tensor) -> Decoded:
         return self.decode(raw.reshape(raw.shape[0], -1, self.bytes))
 
-    def panels(self, read_rows: Callable[[int, int], torch.Tensor], n: int) -> torch.Tensor:
-        """The n-row weight whose raw rows read_rows(r0, r1) gives -> panels, chunk by chunk."""
-        out = None
+    def panels(self, read_rows: Callable[[int, int], torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The n-row weight whose raw rows read_rows(r0, r1) gives -> panels, chunk by chunk (into `out` if given)."""
         for r0 in range(0, n, CHUNK_ROWS):  # CHUNK_ROWS fills whole panel groups
             r1 = min(n, r0 + CHUNK_ROWS)
             q, fields = self._decoded(read_rows(r0, r1))

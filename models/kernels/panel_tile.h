@@ -24,33 +24,41 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
     if (ahead != nullptr)  // a block's share of the group's bytes
       for (int64_t at = b * C * F::bytes / F::sub; at < (b + 1) * C * F::bytes / F::sub; at += 64)
         _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
-    // With one row, each sum is a chain of 2 qk/4 dependent multiply-adds, which a vpdpwssd's latency
-    // would pace below the read bandwidth: the high pairs go to sums of their own, added at the end.
-    constexpr bool SPLIT = R == 1;
-    __m256i sum[R][C], high[R][C];
+    // With one row, each sum would be a chain of 2 qk/4 dependent multiply-adds, which a vpdpwssd's
+    // latency paces below the read bandwidth: there the low and high pairs of even and odd chunks go to
+    // four sums, added at the end (exact: integer sums do not depend on how they are split).
+    constexpr int CHAINS = R == 1 ? 4 : 1;
+    __m256i sum[R][C], part[CHAINS][C];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) sum[r][c] = high[r][c] = _mm256_setzero_si256();
+      for (int c = 0; c < C; ++c) sum[r][c] = _mm256_setzero_si256();
+    for (int h = 0; h < CHAINS; ++h)
+      for (int c = 0; c < C; ++c) part[h][c] = _mm256_setzero_si256();
     const uint8_t* qb = F::block(q, b);  // block b of the first panel; the others' lie `next` apart
     const int32_t* xb[R];  // each row's block as k pairs
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
+    static_assert(F::qk / 4 % 2 == 0, "chunks come in pairs");
+    for (int64_t j0 = 0; j0 < F::qk / 4; j0 += 2) {
 #pragma GCC unroll 2
-    for (int64_t j = 0; j < F::qk / 4; ++j) {
-      __m256i lo[C], hi[C];
-      for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
-        for (int c = 0; c < C; ++c) {
-          if constexpr (SPLIT) {
-            sum[r][c] = KVSERVE_DOT1(sum[r][c], lo[c], x0);
-            high[r][c] = KVSERVE_DOT1(high[r][c], hi[c], x1);
-          } else {
-            sum[r][c] = KVSERVE_DOT2(sum[r][c], lo[c], x0, hi[c], x1);
+      for (int64_t odd = 0; odd < 2; ++odd) {
+        const int64_t j = j0 + odd;
+        __m256i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
+          for (int c = 0; c < C; ++c) {
+            if constexpr (CHAINS == 4) {
+              part[2 * odd][c] = KVSERVE_DOT1(part[2 * odd][c], lo[c], x0);
+              part[2 * odd + 1][c] = KVSERVE_DOT1(part[2 * odd + 1][c], hi[c], x1);
+            } else {
+              sum[r][c] = KVSERVE_DOT2(sum[r][c], lo[c], x0, hi[c], x1);
+            }
           }
         }
       }
     }
-    if constexpr (SPLIT)  // exact: the integer sums do not depend on how they are split
-      for (int c = 0; c < C; ++c) sum[0][c] = _mm256_add_epi32(sum[0][c], high[0][c]);
+    if constexpr (CHAINS == 4)
+      for (int c = 0; c < C; ++c)
+        sum[0][c] = _mm256_add_epi32(_mm256_add_epi32(part[0][c], part[1][c]), _mm256_add_epi32(part[2][c], part[3][c]));
     __m256 dw[C], mw[C];
     for (int c = 0; c < C; ++c) {
       dw[c] = F::scales(q + c * next, b);

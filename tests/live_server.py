@@ -21,11 +21,11 @@ class LiveServer:
     """In-process server, so tests can also look at the engine and the cache registry."""
 
     def __init__(self, model, engine_config: EngineConfig | None = None, api_keys=(), name="smollm2-135m-instruct",
-                 server_config: ServerConfig | None = None):
+                 server_config: ServerConfig | None = None, port: int | None = None):
         self.engine = Engine(model, engine_config or EngineConfig())
         server_config = server_config or ServerConfig(model_name=name)
         self.app = create_app(self.engine, server_config, frozenset(api_keys))
-        self.port = free_port()
+        self.port = port or free_port()  # a port of its own, or a stopped server's again (a restart)
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port, log_level="warning",
                                                     header_timeout=server_config.header_timeout))

@@ -16,7 +16,9 @@ from . import generation
 from .schemas import ERROR_RESPONSES
 
 CONSOLE = Path(__file__).parent / "console_page"
-ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+SCRIPTS = ("app.js", "api.js", "connection.js", "settings.js", "format.js", "markdown.js", "sessions.js", "chat.js",
+           "completion.js", "live.js")
+ASSETS = {**{name: "text/javascript" for name in SCRIPTS}, "style.css": "text/css"}
 # Pages and assets anyone may load: with API keys on, the page asks for one before it reads anything.
 PUBLIC_PAGES = frozenset({"/", "/ui", *(f"/ui/{name}" for name in ASSETS)})
 
@@ -61,9 +63,10 @@ def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
     sched.tenants[owner]  # known from now on, so it has figures
     figures = engine.tenant_figures()
     mine = figures[owner]
-    tenant = {**mine, "limits": {"sessions": c.per_key("max_sessions"), "running": c.per_key("max_running"),
-                                 "queued": c.per_key("max_queued"), "session_ttl_s": c.session_ttl,
-                                 "request_timeout_s": c.request_timeout}}
+    limits = {"sessions": c.per_key("max_sessions"), "running": c.per_key("max_running"), "queued": c.per_key("max_queued"),
+              "session_ttl_s": c.session_ttl, "request_timeout_s": c.request_timeout}
+    # the caller's own output tokens/s: a key holder sees its own requests' rate, never the server's
+    tenant = {**mine, "throughput": engine.recent.throughput(owner), "limits": limits}
     pool = {"budget_bytes": engine.pool.budget, "block_size": blocks.block_size, "block_bytes": blocks.block_bytes,
             "blocks": blocks.n_blocks}
     out = {"object": "status", "scope": "server" if owner is None else "tenant", "model": engine.model.name,

@@ -6,7 +6,7 @@ import asyncio
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 
-from . import generation
+from . import generation, session_history
 from .schemas import ERROR_RESPONSES
 from .sessions_schemas import SessionCreate, SessionFork, SessionRewind
 
@@ -34,9 +34,13 @@ async def list_sessions(http: HttpRequest) -> dict:
 
 @router.get("/{session_id}")
 async def get_session(session_id: str, http: HttpRequest) -> dict:
+    """Its figures and its history (`text`, and `messages` where it is a chat in the model's template), so a
+    client can show the conversation and continue it by resending the messages with a new turn."""
     engine = generation.engine_of(http)
     with engine.lock:
-        return {"object": "session", **engine.session(session_id, generation.owner_of(http)).info()}
+        session = engine.session(session_id, generation.owner_of(http))
+        info, tokens = session.info(), list(session.tokens)
+    return {"object": "session", **info, **session_history.history(engine.tokenizer, tokens)}
 
 
 @router.delete("/{session_id}")

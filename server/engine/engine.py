@@ -23,7 +23,7 @@ from ..errors import InvalidRequest, ShuttingDown
 from .constraints import Constraint, Grammars
 from .kv_pool import KVPool, kv_layout
 from .lifetimes import Lifetimes
-from .metrics import Metrics, RecentSteps
+from .metrics import Metrics, RecentSteps, generated_by_owner
 from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -273,8 +273,10 @@ class Engine(SessionOps):
         with self.lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
             before = self.scheduler.counts.emitted
+            outputs = [(r, len(r.output_ids)) for c in batch.chunks if (r := self.scheduler.by_id.get(c.request_id))]
             self.scheduler.postprocess(batch, sampled, scores, hidden)
-            self.recent.record(len(batch.chunks), batch.n_tokens, self.scheduler.counts.emitted - before)
+            self.recent.record(len(batch.chunks), batch.n_tokens, self.scheduler.counts.emitted - before,
+                               generated_by_owner(outputs))
             self._observe_finished()
 
     def _post(self, queue: asyncio.Queue, event: object) -> None:

@@ -1,53 +1,8 @@
 """The web console in a real headless Chromium (Debian's, driven by Playwright) against real servers."""
-import os
-import shutil
-from pathlib import Path
-
 import httpx
-import pytest
-from playwright.sync_api import expect, sync_playwright
+from playwright.sync_api import expect
 
-from models import load_model
-
-from ..live_server import LiveServer
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def screenshot(page, name: str, tmp_path: Path) -> None:
-    """Every run takes the README's screenshots; KVSERVE_SCREENSHOTS=1 writes them into docs/ (committed)."""
-    folder = ROOT / "docs" if os.environ.get("KVSERVE_SCREENSHOTS") else tmp_path
-    page.screenshot(path=str(folder / name))
-    assert (folder / name).stat().st_size > 10_000
-
-
-@pytest.fixture(scope="module")
-def browser():
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert chromium, "chromium is missing: `make test` installs it (Debian package chromium)"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 800})
-    page = context.new_page()
-    page.errors = []
-    page.on("console", lambda m: m.type == "error" and page.errors.append(m.text))
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    yield page
-    context.close()
-
-
-def chat(page, text):
-    page.fill("#chat-input", text)
-    page.click("#send")
-    reply = page.locator(".msg.assistant").last
-    expect(reply.locator(".stats")).to_contain_text("tokens", timeout=60_000)  # the stats line comes at the end
-    return reply
+from .page_tools import ROOT, assert_clean, chat, screenshot
 
 
 def test_page_loads_clean_and_streams_a_chat_reply(fast_server, page, tmp_path):
@@ -65,7 +20,7 @@ def test_page_loads_clean_and_streams_a_chat_reply(fast_server, page, tmp_path):
     expect(reply.locator(".stats")).to_contain_text("prompt tokens cached")
     assert page.locator("#send").is_enabled()
     screenshot(page, "console-chat.png", tmp_path)
-    assert page.errors == []
+    assert_clean(page)
     assert httpx.get(fast_server.url + "/ui").text == httpx.get(fast_server.url + "/").text
 
 
@@ -92,7 +47,7 @@ def test_a_session_made_by_the_api_appears_live_and_the_page_deletes_it(fast_ser
     assert httpx.get(f"{url}/v1/sessions/{late}").status_code == 404
     for other in (sid, static):
         httpx.delete(f"{url}/v1/sessions/{other}")
-    assert page.errors == []
+    assert_clean(page)
 
 
 def test_markup_in_a_reply_is_shown_as_text(fast_server, page):
@@ -104,13 +59,7 @@ def test_markup_in_a_reply_is_shown_as_text(fast_server, page):
     assert reply.locator(".body").inner_text().strip() == "<script>window.pwned=1</script><img src=x onerror=window.pwned=2>"
     assert page.locator("#messages img, #messages script").count() == 0
     assert page.evaluate("window.pwned") is None
-    assert page.errors == []
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_checkpoints):
-    with LiveServer(load_model(str(tiny_checkpoints["llama"])), api_keys=("key-alice", "key-bob")) as server:
-        yield server
+    assert_clean(page)
 
 
 def test_with_api_keys_the_page_asks_for_one_and_shows_its_owners_sessions_only(keyed_server, page):
@@ -128,7 +77,7 @@ def test_with_api_keys_the_page_asks_for_one_and_shows_its_owners_sessions_only(
     assert page.evaluate("sessionStorage.getItem('kvserve-key')") == "key-alice"
     # the live view shows this key's own figures, never the server's load
     expect(page.locator("#requests-text")).to_contain_text("1 of 4096 sessions")
-    expect(page.locator("#tps-card")).to_be_hidden()
+    expect(page.locator("#tps-title")).to_have_text("Your output tokens/s")
     page.reload()  # kept for the browser session: no second prompt
     expect(page.locator("#app")).to_be_visible()
 

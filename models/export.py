@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.export import Dim
 
 from . import trust
@@ -29,6 +29,7 @@ from .llama import Transformer
 from .quant import (WEIGHT_MODES, EmbeddingBlocks, EmbeddingFloat, LinearBlocks, convert_linears, held_types,
                     model_kernels_available)
 from .stored import StoredTensor
+from .weight_memory import read_safetensors
 from .tokenizer import TextTokenizer
 
 # 11: K-quant panels hold a super-block's shared fields once; 10: weights as stored, panels of each block format; 9: hidden rows as a second input and output; 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a
@@ -239,7 +240,7 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
 def _program(folder: Path, meta: dict) -> torch.nn.Module:
     """The saved program: fx's source, run as the forward of a module that holds the saved weights."""
     root = torch.nn.Module()
-    tensors = load_file(str(folder / WEIGHTS_FILE))
+    tensors = read_safetensors(folder / WEIGHTS_FILE)
     tensors.update({a: tensors[c] for a, c in meta["aliases"].items()})
     for attr, tensor in tensors.items():
         root.register_buffer(attr, tensor)

@@ -30,6 +30,7 @@ from .errors import ModelLoadError
 from .formats import FLOAT_TYPES, FORMATS
 from .formats.panels import KINDS, PANEL, PANEL_GROUP, panel_count
 from .stored import StoredTensor
+from .weight_memory import empty_weight
 
 WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
@@ -164,7 +165,7 @@ class LinearBlocks(nn.Module):
         parts = []
         for run, kind in runs:  # each tensor's panels written straight into its part's place
             rows = sum(t.rows for t in run)
-            out = torch.empty(panel_count(rows), run[0].shape[-1] // KINDS[kind].unit, KINDS[kind].bytes, dtype=torch.uint8)
+            out = empty_weight((panel_count(rows), run[0].shape[-1] // KINDS[kind].unit, KINDS[kind].bytes))
             at = 0
             for t in run:
                 t.panels(out[at : at + panel_count(t.rows)])

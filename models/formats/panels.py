@@ -4,8 +4,9 @@ A weight of N rows becomes [P, units, bytes] uint8, P = N/8 rounded up to an eve
 zeros): panel p holds rows 8p..8p+7, in units of `sub` blocks of qk weights. Each block is
     quants, by pairs of k, feature beside feature:
         nibbles, qk*4 bytes: byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4
-        nibbles6 (given q - 32, held q, 0..63), qk*6 bytes, 24 a chunk c of 4 k: the nibbles' 16 bytes of low 4 bits,
-            then 8 bytes whose nibble l = 2f + e is q_f[4c + e] >> 4 | (q_f[4c + 2 + e] >> 4) << 2
+        nibbles6 (given q - 32, held q, 0..63), qk*6 bytes: chunk c's 16 bytes at 16c, byte 2f + e =
+            q_f[4c + e] | q_f[4c + 2 + e] << 6 (its low 2 bits), then at qk*4 + 16c', byte 2f + e =
+            q_f[8c' + 2 + e] >> 2 | (q_f[8c' + 6 + e] >> 2) << 4 (the high 4 bits of chunks 2c', 2c' + 1)
         bytes, qk*8 bytes: byte 16j + 2f + e = q_f[2j + e]
     then each of the kind's per-block fields, the 8 features' values side by side (fp16, fp32 or a byte);
 and after a unit's blocks, the fields they share (a K-quant super-block's d), the same way, once.
@@ -109,14 +110,12 @@ def _quant_bytes(q: torch.Tensor, kind: PanelKind) -> torch.Tensor:
         return q.reshape(p, PANEL, nb, qk // 2, 2).permute(0, 2, 3, 1, 4).reshape(p, nb, -1)  # [P, nb, pair, f, e]
     if kind.quants == "nibbles6":
         q = (q.view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
-    q = q.reshape(p, PANEL, nb, qk // 4, 2, 2)  # [P, f, nb, c, h, e]: pairs 2c and 2c + 1 share bytes
-    low = q & 0x0F
-    nib = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(p, nb, qk // 4, 16)  # [P, nb, c, lane]
+    q = q.reshape(p, PANEL, nb, qk // 4, 2, 2).permute(0, 2, 3, 4, 1, 5)  # [P, nb, c, h, f, e]: pairs 2c, 2c + 1
+    a, b = q[..., 0, :, :].reshape(p, nb, qk // 4, 16), q[..., 1, :, :].reshape(p, nb, qk // 4, 16)  # [P, nb, c, lane]
     if kind.quants == "nibbles":
-        return nib.reshape(p, nb, -1)
-    high = q >> 4
-    lanes = (high[..., 0, :] | (high[..., 1, :] << 2)).permute(0, 2, 3, 1, 4).reshape(p, nb, qk // 4, 8, 2)
-    return torch.cat([nib, lanes[..., 0] | (lanes[..., 1] << 4)], dim=-1).reshape(p, nb, -1)  # [P, nb, c, 24]
+        return (a | (b << 4)).reshape(p, nb, -1)
+    high = (b >> 2).reshape(p, nb, qk // 8, 2, 16)  # chunks 2c and 2c + 1 share a byte
+    return torch.cat([(a | (b << 6)).reshape(p, nb, -1), (high[..., 0, :] | (high[..., 1, :] << 4)).reshape(p, nb, -1)], dim=-1)
 
 
 def pack(q: torch.Tensor, fields: list[torch.Tensor], kind: PanelKind, out: torch.Tensor | None = None) -> torch.Tensor:

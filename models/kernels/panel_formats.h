@@ -3,7 +3,7 @@
 // A panel is the 8 features' blocks of qk weights in units of `sub` blocks: each block's quants, then its
 // per-block fields (scales, mins, or what they are computed from); after a unit's blocks, the fields its
 // blocks share (a K-quant super-block's d and dmin), once. `bytes` is a unit's size.
-// pairs(p, a, b) gives, from chunk j of a block, k pairs 2j and 2j + 1 of the 8 features as int16 lanes
+// pairs(block, j, a, b) gives, from chunk j of a block, k pairs 2j and 2j + 1 of the 8 features as int16 lanes
 // [f][e] (q + bias); Batch is the format a batch unpacks it into, a byte a weight; scales(panel, b) and mins(panel, b) block b's 8 scales and mins as float32, such that
 // w = scale*q + min; quant(block, f, k) one weight's integer, for the row lookups of an embedding.
 // Why these and not one format for all: the bytes a step reads are the lever at one stream, so each
@@ -34,42 +34,41 @@ struct Units {
 
 // 4-bit quants, 128 bytes a block: byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4.
 struct Nibbles {
-  static constexpr int64_t qk = 32, quants = 128, chunk = 16, unpack_from = 16, bias = 0;
-  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
-    const __m256i w = _mm256_cvtepu8_epi16(load128(p));  // byte j -> word j
+  static constexpr int64_t qk = 32, quants = 128, unpack_from = 16, bias = 0;
+  static inline void pairs(const uint8_t* block, int64_t j, __m256i& a, __m256i& b) {
+    const __m256i w = _mm256_cvtepu8_epi16(load128(block + 16 * j));  // byte i -> word i
     a = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
     b = _mm256_srli_epi16(w, 4);
   }
   static inline int quant(const uint8_t* p, int f, int k) { return (p[16 * (k / 4) + 2 * f + (k & 1)] >> (4 * ((k / 2) & 1))) & 15; }
 };
 
-// 6-bit quants (0..63), blocks of 16, 24 bytes a chunk of 4 k: 16 bytes of low nibbles as in Nibbles,
-// then 8 of high bit pairs, lane l = 2f + e's (pair 2j's | pair 2j + 1's << 2) in nibble l.
+// 6-bit quants (0..63), blocks of 16 (4 chunks of 4 k), 96 bytes: chunk j's 16 bytes at 16j, lane
+// l = 2f + e's byte holding pair 2j's 6 bits and pair 2j + 1's low 2 bits above them; then, at 64 + 16c,
+// pair 2j + 1's high 4 bits of chunks 2c (low nibble) and 2c + 1 (high nibble).
 struct Nibbles6 {
-  static constexpr int64_t qk = 16, quants = 96, chunk = 24, unpack_from = 8;
-  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
-    const __m256i w = _mm256_cvtepu8_epi16(load128(p));
-    const __m128i h8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16));
-    // byte l = nibble l << 4 (below it, bits the masks drop): lane l's two high pairs at bits 4-5, 6-7
-    const __m256i h = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_slli_epi16(h8, 4), h8));
-    const __m256i at45 = _mm256_set1_epi16(0x30);
-    a = _mm256_or_si256(_mm256_and_si256(w, _mm256_set1_epi16(0x0F)), _mm256_and_si256(h, at45));
-    b = _mm256_or_si256(_mm256_srli_epi16(w, 4), _mm256_and_si256(_mm256_srli_epi16(h, 2), at45));
+  static constexpr int64_t qk = 16, quants = 96, unpack_from = 8;
+  static inline void pairs(const uint8_t* block, int64_t j, __m256i& a, __m256i& b) {
+    const __m256i w = _mm256_cvtepu8_epi16(load128(block + 16 * j));
+    const __m256i n = _mm256_cvtepu8_epi16(load128(block + 64 + 16 * (j / 2)));
+    const __m256i high = j & 1 ? _mm256_srli_epi16(n, 4) : _mm256_and_si256(n, _mm256_set1_epi16(0x0F));
+    a = _mm256_and_si256(w, _mm256_set1_epi16(0x3F));
+    b = _mm256_or_si256(_mm256_srli_epi16(w, 6), _mm256_slli_epi16(high, 2));
   }
   static inline int quant(const uint8_t* p, int f, int k) {
-    const int c = k / 4, h = (k / 2) & 1, l = 2 * f + (k & 1);
-    const int low = (p[24 * c + l] >> (4 * h)) & 15;
-    const int high = (p[24 * c + 16 + l / 2] >> (4 * (l & 1) + 2 * h)) & 3;
-    return low | high << 4;
+    const int j = k / 4, l = 2 * f + (k & 1), byte = p[16 * j + l];
+    if ((k / 2 & 1) == 0) return byte & 63;
+    return byte >> 6 | ((p[64 + 16 * (j / 2) + l] >> (4 * (j & 1))) & 15) << 2;
   }
 };
 
 // A byte a weight, qk * 8 bytes a block: byte 16j + 2f + e = q_f[2j + e]; signed or not.
 template <int64_t QK_, bool SIGNED>
 struct Bytes {
-  static constexpr int64_t qk = QK_, quants = QK_ * 8, chunk = 32, unpack_from = 0, bias = 0;
+  static constexpr int64_t qk = QK_, quants = QK_ * 8, unpack_from = 0, bias = 0;
   static constexpr bool is_signed = SIGNED;
-  static inline void pairs(const uint8_t* p, __m256i& a, __m256i& b) {
+  static inline void pairs(const uint8_t* block, int64_t j, __m256i& a, __m256i& b) {
+    const uint8_t* p = block + 32 * j;
     if constexpr (SIGNED) {
       a = _mm256_cvtepi8_epi16(load128(p));
       b = _mm256_cvtepi8_epi16(load128(p + 16));

@@ -42,7 +42,7 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
       for (int64_t odd = 0; odd < 2; ++odd) {
         const int64_t j = j0 + odd;
         __m256i lo[C], hi[C];
-        for (int c = 0; c < C; ++c) F::pairs(qb + c * next + j * F::chunk, lo[c], hi[c]);
+        for (int c = 0; c < C; ++c) F::pairs(qb + c * next, j, lo[c], hi[c]);
         for (int r = 0; r < R; ++r) {
           const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
           for (int c = 0; c < C; ++c) {

@@ -116,7 +116,7 @@ inline void unpack_bytes(const uint8_t* q, int64_t nb, uint8_t* to) {
       const uint8_t* block = F::block(q, b);
       for (int64_t j = 0; j < F::qk / 4; ++j) {
         __m256i lo, hi;
-        F::pairs(block + j * F::chunk, lo, hi);
+        F::pairs(block, j, lo, hi);
         if constexpr (F::bias != 0) {
           lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(F::bias));
           hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(F::bias));

@@ -27,8 +27,8 @@ inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     for (int64_t j = 0; j < QK / 4; ++j) {
       __m256i lo0, hi0, lo1, hi1;
-      F::pairs(p0 + j * F::chunk, lo0, hi0);
-      F::pairs(p1 + j * F::chunk, lo1, hi1);
+      F::pairs(p0, j, lo0, hi0);
+      F::pairs(p1, j, lo1, hi1);
       __m256i* at = reinterpret_cast<__m256i*>(to + j * 128);
       _mm256_storeu_si256(at, lo0);
       _mm256_storeu_si256(at + 1, lo1);

@@ -32,9 +32,9 @@ from .stored import StoredTensor
 from .weight_memory import read_safetensors
 from .tokenizer import TextTokenizer
 
-# 11: K-quant panels hold a super-block's shared fields once; 10: weights as stored, panels of each block format; 9: hidden rows as a second input and output; 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a
+# 12: Q6_K panels with a byte of 6+2 bits a lane; 11: K-quant panels hold a super-block's shared fields once; 10: weights as stored, panels of each block format; 9: hidden rows as a second input and output; 8: q4 decoder weights stacked by kind (7: one op a step; 6: three a
 # layer; 5: panels at load)
-ARTIFACT_FORMAT = 11
+ARTIFACT_FORMAT = 12
 # The program once, as the Python source torch.fx generates for it, and its weights once, in safetensors.
 # Not a torch.export .pt2: that holds a second copy of the weights, and deserializing its graph takes
 # far longer than the forward it describes; fx's source is readable, and runs as it was exported.

@@ -80,6 +80,17 @@ def test_a_session_of_text_is_shown_and_continued_by_completion(fast_server, vie
     assert_clean(page)
 
 
+def send_to_a_gone_session_and_start_anew(page, text):
+    """Send `text` to a session that no longer exists: the turn says so plainly, and its button starts a
+    new session that answers."""
+    page.fill("#chat-input", text)
+    page.click("#send")
+    failed = page.locator(".msg.assistant.failed")
+    expect(failed.locator(".stats")).to_contain_text("This session no longer exists", timeout=30_000)
+    failed.get_by_role("button", name="Start a new session").click()
+    expect(page.locator(".msg.assistant").last.locator(".stats")).to_contain_text("token", timeout=60_000)
+
+
 def test_a_deleted_session_is_said_plainly_with_a_button_to_start_a_new_one(fast_server, view):
     page, url = view, fast_server.url
     used, bodies = session_ids(page), []
@@ -90,12 +101,7 @@ def test_a_deleted_session_is_said_plainly_with_a_button_to_start_a_new_one(fast
     page.fill("#max-tokens", "8")
     chat(page, "Hi")
     assert httpx.delete(f"{url}/v1/sessions/{used[-1]}").status_code == 200
-    page.fill("#chat-input", "Again")
-    page.click("#send")
-    failed = page.locator(".msg.assistant.failed")
-    expect(failed.locator(".stats")).to_contain_text("This session no longer exists", timeout=30_000)
-    failed.get_by_role("button", name="Start a new session").click()
-    expect(page.locator(".msg.assistant").last.locator(".stats")).to_contain_text("token", timeout=60_000)
+    send_to_a_gone_session_and_start_anew(page, "Again")
     expect(page.locator(".msg.failed")).to_have_count(0)
     assert used[-1] != used[0] and httpx.get(f"{url}/v1/sessions/{used[-1]}").status_code == 200
     assert [m["content"] for m in bodies[-1]["messages"] if m["role"] == "user"] == ["Hi", "Again"]  # carried over
@@ -115,11 +121,6 @@ def test_a_picked_session_deleted_meanwhile_is_said_plainly(fast_server, page):
     expect(page.locator(".msg.assistant")).to_have_text(GREETING)
     httpx.delete(f"{url}/v1/sessions/{sid}")
     page.fill("#max-tokens", "8")
-    page.fill("#chat-input", "Still there?")
-    page.click("#send")
-    failed = page.locator(".msg.assistant.failed")
-    expect(failed.locator(".stats")).to_contain_text("This session no longer exists", timeout=30_000)
-    failed.get_by_role("button", name="Start a new session").click()
-    expect(page.locator(".msg.assistant").last.locator(".stats")).to_contain_text("token", timeout=60_000)
+    send_to_a_gone_session_and_start_anew(page, "Still there?")
     expect(page.locator("#session-mode")).to_have_value("new")  # the picked one is not written over
     assert_clean(page, "404")

@@ -48,10 +48,12 @@ $(STAMP_BENCH): pyproject.toml | $(BIN)/python
 
 install: $(STAMP_RUN)
 
-# nginx (for the load-balancer test) and chromium (for the console's browser tests) come from Debian's packages
+# nginx (for the load-balancer test), chromium (for the console's browser tests) and qemu-user (to run the
+# kernels' AVX2 path on a CPU with AVX-512) come from Debian's packages
 system-deps:
-	@{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } && command -v chromium >/dev/null || \
-	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light chromium >/dev/null; }
+	@{ command -v nginx >/dev/null || test -x /usr/sbin/nginx; } && command -v chromium >/dev/null && \
+	  command -v qemu-x86_64 >/dev/null || \
+	  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light chromium qemu-user >/dev/null; }
 
 # two workers, each taking whole test files, so a module's server is started once
 TEST_WORKERS ?= 2

@@ -3,9 +3,11 @@
 // A panel is the 8 features' blocks of qk weights in units of `sub` blocks: each block's quants, then its
 // per-block fields (scales, mins, or what they are computed from); after a unit's blocks, the fields its
 // blocks share (a K-quant super-block's d and dmin), once. `bytes` is a unit's size.
-// pairs(block, j, a, b) gives, from chunk j of a block, k pairs 2j and 2j + 1 of the 8 features as int16 lanes
-// [f][e] (q + bias); Batch is the format a batch unpacks it into, a byte a weight; scales(panel, b) and mins(panel, b) block b's 8 scales and mins as float32, such that
-// w = scale*q + min; quant(block, f, k) one weight's integer, for the row lookups of an embedding.
+// pairs(block, j, a, b) gives, from chunk j of a block, k pairs 2j and 2j + 1 of the 8 features as
+// int16 lanes [f][e]; scales(panel, b) and mins(panel, b) block b's 8 scales and mins as float32, such
+// that w = scale*q + min; quant(block, f, k) one weight's integer, for the row lookups of an embedding.
+// Batch is the format a batch unpacks a panel into: a byte a weight, the same integers, scales and mins,
+// so that a row's float operations are the same whichever path its step takes.
 // Why these and not one format for all: the bytes a step reads are the lever at one stream, so each
 // keeps its file's bits where the pairs can be unpacked in a few instructions (the 4- and 6-bit ones),
 // and widens to a byte a weight where they cannot (the 5-bit ones).
@@ -34,7 +36,7 @@ struct Units {
 
 // 4-bit quants, 128 bytes a block: byte 16c + 2f + e = q_f[4c + e] | q_f[4c + 2 + e] << 4.
 struct Nibbles {
-  static constexpr int64_t qk = 32, quants = 128, unpack_from = 16, bias = 0;
+  static constexpr int64_t qk = 32, quants = 128, unpack_from = 16;
   static inline void pairs(const uint8_t* block, int64_t j, __m256i& a, __m256i& b) {
     const __m256i w = _mm256_cvtepu8_epi16(load128(block + 16 * j));  // byte i -> word i
     a = _mm256_and_si256(w, _mm256_set1_epi16(0x0F));
@@ -65,7 +67,7 @@ struct Nibbles6 {
 // A byte a weight, qk * 8 bytes a block: byte 16j + 2f + e = q_f[2j + e]; signed or not.
 template <int64_t QK_, bool SIGNED>
 struct Bytes {
-  static constexpr int64_t qk = QK_, quants = QK_ * 8, unpack_from = 0, bias = 0;
+  static constexpr int64_t qk = QK_, quants = QK_ * 8, unpack_from = 0;
   static constexpr bool is_signed = SIGNED;
   static inline void pairs(const uint8_t* block, int64_t j, __m256i& a, __m256i& b) {
     const uint8_t* p = block + 32 * j;
@@ -133,11 +135,11 @@ struct Q8_0 : Bytes<32, true>, Units<272> {
 
 
 // Q6_K: blocks of 16, their int8 scale, and once a super-block of 16, fp16 d; w = d*sc*q - 32*d*sc (each
-// product exact in float32, and so is their sum). Unpacked for a batch as q - 32, without the min.
+// product exact in float32, and so is their sum). A batch unpacks q as it is and keeps the min: a row's
+// float operations must not depend on which path its step took.
 struct Q6_K : Nibbles6, Units<104, 16, 16> {
   static constexpr bool has_min = true;
-  static constexpr int64_t bias = 32;  // subtracted as it is unpacked
-  using Batch = Unpacked<16, true, false>;
+  using Batch = Unpacked<16, false, true>;
   static inline __m256 scales(const uint8_t* p, int64_t b) { return _mm256_mul_ps(eight_halves(header(p, b)), eight_i8(block(p, b) + quants)); }
   static inline __m256 mins(const uint8_t* p, int64_t b) { return _mm256_mul_ps(scales(p, b), _mm256_set1_ps(-32.0f)); }
 };

@@ -117,10 +117,6 @@ inline void unpack_bytes(const uint8_t* q, int64_t nb, uint8_t* to) {
       for (int64_t j = 0; j < F::qk / 4; ++j) {
         __m256i lo, hi;
         F::pairs(block, j, lo, hi);
-        if constexpr (F::bias != 0) {
-          lo = _mm256_sub_epi16(lo, _mm256_set1_epi16(F::bias));
-          hi = _mm256_sub_epi16(hi, _mm256_set1_epi16(F::bias));
-        }
         // packs interleaves 128-bit lanes (lo0 hi0 lo1 hi1); the permute restores lo0 lo1 hi0 hi1
         const __m256i packed = U::is_signed ? _mm256_packs_epi16(lo, hi) : _mm256_packus_epi16(lo, hi);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + 32 * j), _mm256_permute4x64_epi64(packed, 0xD8));

@@ -11,11 +11,16 @@ from tqdm import tqdm
 from .architectures import GGUF_PERMUTED_QK, GGUF_REFUSED_TENSORS, gguf_layer_names
 from .config import UnsupportedModel, from_gguf_metadata
 from .errors import ModelLoadError
+from .spm_tokenizer import sentencepiece_from_gguf
 from .stored import StoredTensor, unpermute_qk
 from .tokenizer import TextTokenizer, TokenizerMeta, byte_level_bpe_from_gguf
 
 _GLOBAL_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+# tokenizer.ggml.model -> (how its vocabulary is rebuilt, whether llama.cpp adds BOS when the file does not say)
+_TOKENIZERS = {"gpt2": (byte_level_bpe_from_gguf, False), "llama": (sentencepiece_from_gguf, True)}
+# Chat models end a turn with their template's end-of-turn token, which may differ from EOS.
+_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 def _reader(path: Path):
@@ -85,11 +90,24 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = F
             state[name] = unpermute_qk(v, heads) if heads else v
         else:
             state[name] = w
-    tokenizer = TextTokenizer(byte_level_bpe_from_gguf(meta), _tokenizer_meta(meta))
-    return config, state, tokenizer
+    return config, state, _tokenizer(meta, path)
 
 
-def _tokenizer_meta(meta: dict[str, Any]) -> TokenizerMeta:
+def _tokenizer(meta: dict[str, Any], path: Path) -> TextTokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind not in _TOKENIZERS:
+        raise UnsupportedModel(f"{path}: GGUF tokenizer.ggml.model {kind!r} is not supported; supported: 'gpt2' (byte-level "
+                               "BPE: Llama 3, Qwen, SmolLM) and 'llama' (SentencePiece: Llama 2, Mistral, Gemma, Phi-3)")
+    if not meta.get("tokenizer.ggml.tokens"):
+        raise ModelLoadError(f"{path}: no tokenizer.ggml.tokens; the file holds no vocabulary")
+    build, bos_by_default = _TOKENIZERS[kind]
+    try:
+        return TextTokenizer(build(meta), _tokenizer_meta(meta, bos_by_default))
+    except (ModelLoadError, UnsupportedModel) as e:
+        raise type(e)(f"{path}: {e}") from None
+
+
+def _tokenizer_meta(meta: dict[str, Any], bos_by_default: bool) -> TokenizerMeta:
     tokens = meta["tokenizer.ggml.tokens"]
 
     def tok(key):
@@ -102,15 +120,14 @@ def _tokenizer_meta(meta: dict[str, Any]) -> TokenizerMeta:
     if eot is not None:
         eos_ids.add(int(eot))
     template = meta.get("tokenizer.chat_template")
-    # Chat models end a turn with their template's end-of-turn token, which may differ from EOS.
-    for candidate in ("<|im_end|>", "<|eot_id|>", "<|end|>"):
+    for candidate in _END_OF_TURN:
         if template and candidate in template and candidate in tokens:
             eos_ids.add(tokens.index(candidate))
     return TokenizerMeta(
         bos_token=tok("tokenizer.ggml.bos_token_id"),
         eos_token=tok("tokenizer.ggml.eos_token_id"),
         eos_ids=tuple(sorted(eos_ids)),
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", bos_by_default)),
         chat_template=template,
     )
 

@@ -10,6 +10,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from .config import UnsupportedModel
+
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -51,10 +53,10 @@ def byte_level_bpe_from_gguf(meta: dict[str, Any]) -> Tokenizer:
     """Rebuild a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata."""
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+        raise UnsupportedModel(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
-        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
+        raise UnsupportedModel(f"unsupported GGUF pre-tokenizer {pre!r}; supported: {', '.join(GGUF_PRE_TOKENIZERS)}")
     tokens = meta["tokenizer.ggml.tokens"]
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))

@@ -12,7 +12,9 @@ from ..live_server import LiveServer
 from .page_tools import WIDTHS, open_page
 
 
-@pytest.fixture(scope="session")
+# a module's own: Playwright's sync API runs an event loop on this thread while it lives, and the worker
+# goes on to other files, whose asyncio.run() would find it running
+@pytest.fixture(scope="module")
 def browser():
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "chromium is missing: `make test` installs it (Debian package chromium)"

@@ -73,11 +73,9 @@ GGUF_PERMUTED_QK = frozenset({"llama", "smollm3"})
 # Architectures whose RMSNorm scales by 1 + weight: an HF folder's norm weights get the 1 added on load
 # (hf_loader), so the shared RMSNorm computes it. llama.cpp's converter adds it itself, so GGUF files hold 1 + w.
 HF_NORMS_OFFSET_BY_ONE = frozenset({"gemma2", "gemma3"})
-# Tensors a file may hold for math this project does not implement: loading one refuses the file.
-GGUF_REFUSED_TENSORS: dict[str, str] = {
-    "rope_factors_long.weight": "longrope RoPE scaling (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported",
-    "rope_factors_short.weight": "longrope RoPE scaling (Phi-3 128k, Phi-3.5, Phi-4-mini) is not supported",
-}
+# Tensors a file may hold for math this project does not implement: loading one refuses the file. (phi3's
+# longrope factor tensors are read as config, by gguf_loader.)
+GGUF_REFUSED_TENSORS: dict[str, str] = {}
 
 
 def gguf_layer_names(arch: str) -> dict[str, str]:

@@ -1,6 +1,11 @@
 """How each layer attends, read from a config.json or GGUF metadata into ModelConfig's fields: its window
-(Mistral's, on every layer; Gemma's, on the sliding_attention layers), and Gemma's RoPE bases, attention
-scale and soft caps. Windows on any other architecture are refused.
+(Mistral's and Phi-3's, on every layer; Gemma's, on the sliding_attention layers), and Gemma's RoPE bases,
+attention scale and soft caps. Windows on any other architecture are refused.
+
+A window w means what transformers' mask means by sliding_window (masking_utils.sliding_window_overlay:
+kv > q - w), for Phi-3 as for Mistral: a token attends itself and the w - 1 before it. So Phi-3-mini-4k's 2047
+attends 2047 tokens; flash-attention paths that passed window_size (w, w) attended 2048 (vLLM#4380), until
+transformers#39408 made its flash path agree with the mask.
 
 Plain data, as config.py is, which calls in here.
 """
@@ -11,6 +16,8 @@ from typing import Any
 from .config import WINDOWED_ARCHITECTURES, UnsupportedModel, hf_rope_scaling
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# the architectures whose window, where set, is on every layer
+EVERY_LAYER_WINDOWED = ("mistral", "phi3")
 
 # transformers' defaults for the fields older config.json files leave out (Gemma 3's, written by transformers
 # 4.50, state neither tie_word_embeddings nor layer_types)
@@ -59,8 +66,8 @@ def hf_attention_options(cfg: dict[str, Any], arch: str, n_layers: int, max_cont
     if arch in GEMMA_ARCHITECTURES:
         return hf_gemma_options(cfg, arch, n_layers)
     window = hf_sliding_window(cfg)
-    if arch == "mistral" and window is not None and 0 < int(window) < max_context:
-        return {"layer_windows": (int(window),) * n_layers}  # Mistral windows every layer
+    if arch in EVERY_LAYER_WINDOWED and window is not None and 0 < int(window) < max_context:
+        return {"layer_windows": (int(window),) * n_layers}
     refuse_sliding_window(window, max_context, "config.json sliding_window")
     return {}
 
@@ -70,8 +77,13 @@ def gguf_attention_options(meta: dict[str, Any], arch: str, n_layers: int, dim: 
     """ModelConfig's window and Gemma fields from GGUF metadata."""
     if arch in GEMMA_ARCHITECTURES:
         return gguf_gemma_options(meta, arch, n_layers, dim, n_heads)
-    # Mistral's files say llama, whose llama.cpp decoder reads no window
-    refuse_sliding_window(meta.get(f"{arch}.attention.sliding_window"), max_context, f"{arch}.attention.sliding_window")
+    # Mistral's files say llama, whose llama.cpp decoder reads no window. phi3's converter writes config.json's
+    # sliding_window as it is (0 for none, Phi-4), which we honour as transformers does; llama.cpp itself runs
+    # Phi-3 without it for now (src/models/phi3.cpp: "Phi SWA is currently disabled")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if arch == "phi3" and window is not None and 0 < int(window) < max_context:
+        return {"layer_windows": (int(window),) * n_layers}
+    refuse_sliding_window(window, max_context, f"{arch}.attention.sliding_window")
     return {}
 
 

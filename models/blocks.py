@@ -3,8 +3,8 @@
 Llama, Qwen2 and Mistral are these blocks as they are; qwen3.py, smollm3.py and phi3.py each change one step
 of them, and gemma3.py the block around the attention. The steps an architecture may change are
 `Attention.heads` (the projection's output -> rotated q, k and v heads) and `Transformer.make_block`.
-Each layer's attention window (Mistral's, Gemma's sliding layers), scale and score cap come from the config
-and go to the op with the layer's call.
+Each layer's attention window (Mistral's, Phi-3's, Gemma's sliding layers), scale and score cap come from the
+config and go to the op with the layer's call.
 """
 from __future__ import annotations
 
@@ -54,11 +54,16 @@ class RMSNorm(nn.Module):
         return (self.weight.float() * xf).to(x.dtype)
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [n, 1] int64, inv_freq [R/2] -> cos, sin [n, R] in `dtype`, R the rotated dims of a head."""
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [n, 1] int64, inv_freq [R/2] -> cos, sin [n, R] in `dtype`, R the rotated dims of a head, both
+    times `scale` (longrope's attention factor: it scales the rotated dims only, so it is not the softmax scale)."""
     angles = positions.float() * inv_freq  # [n, R/2]
     angles = torch.cat((angles, angles), dim=-1)  # [n, R]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -192,7 +197,7 @@ class Transformer(nn.Module):
         """tokens [1, n] int64, positions [n, 1] int64, logits_indices [m] int64, hidden_indices [h] int64 ->
         (logits [m, vocab] float32, hidden [h, dim] float32: the final norm's output at those rows)."""
         x = self.embed_tokens(tokens)  # [1, n, dim]
-        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)  # [n, R] each (R: all D but in phi3)
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype, self.config.rope_attn_factor)  # [n, R] each
         x = self.layers(x, positions, cos, sin)[0]  # [n, dim]
         return self.outputs(x, logits_indices, hidden_indices)
 

@@ -16,7 +16,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistra
 # GGUF's general.architecture names; Mistral's files say "llama"
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
 # the decoders that honour ModelConfig.layer_windows, and the Gemma options
-WINDOWED_ARCHITECTURES = ("mistral", "gemma2", "gemma3")
+WINDOWED_ARCHITECTURES = ("mistral", "phi3", "gemma2", "gemma3")
 GEMMA_OPTIONS = ("rope_theta_local", "attention_scale", "final_logit_softcap", "attn_logit_softcap")
 
 
@@ -45,7 +45,10 @@ class ModelConfig:
     vocab_size: int
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    rope_freq_factors: tuple[float, ...] | None = None  # GGUF's rope_freqs tensor (llama3 files)
+    # a divisor for each RoPE frequency: GGUF's rope_freqs tensor (llama3 files), or longrope's long or short
+    # factors (phi3, longrope.py)
+    rope_freq_factors: tuple[float, ...] | None = None
+    rope_attn_factor: float = 1.0  # phi3's longrope: cos and sin multiplied by it (GGUF's rope.scaling.attn_factor)
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -57,7 +60,7 @@ class ModelConfig:
     rope_dim: int | None = None
     # smollm3: the ids of the layers that apply no RoPE (HF's no_rope_layers flags are 0 there)
     layers_without_rope: tuple[int, ...] = ()
-    # mistral, gemma: each layer's attention window (0: the whole history; w: the token at position p attends
+    # mistral, phi3, gemma: each layer's attention window (0: the whole history; w: the token at position p attends
     # positions p - w + 1 .. p, as transformers' sliding_window), one a layer; () when no layer has one
     layer_windows: tuple[int, ...] = ()
     # gemma: the RoPE base of the windowed layers, which take no rope_scaling (Gemma 3's rope_local_base_freq)
@@ -97,6 +100,13 @@ class ModelConfig:
             if len(self.layer_windows) != self.n_layers or min(self.layer_windows) < 0:
                 raise UnsupportedModel(f"layer_windows must give each of {self.n_layers} layers a window of 0 or more, "
                                        f"got {self.layer_windows}")
+        factors = self.rope_freq_factors
+        if factors is not None and (len(factors) != self.rotary_dim // 2 or not all(f > 0 for f in factors)):
+            raise UnsupportedModel(f"RoPE frequency factors must be positive, one for each of the {self.rotary_dim // 2} "
+                                   f"frequencies of {self.rotary_dim} rotated dims; got {len(factors)}")
+        if self.rope_attn_factor != 1.0 and (self.architecture != "phi3" or not self.rope_attn_factor > 0):
+            raise UnsupportedModel(f"rope_attn_factor must be positive, and is implemented for phi3 (longrope) only; "
+                                   f"got {self.rope_attn_factor} for {self.architecture}")
         for name, value in ((name, getattr(self, name)) for name in GEMMA_OPTIONS if getattr(self, name) is not None):
             if self.architecture not in ("gemma2", "gemma3") or not value > 0:
                 raise UnsupportedModel(f"{name} must be positive, and is implemented for gemma2 and gemma3 only; "
@@ -179,16 +189,21 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         raise UnsupportedModel(
             f"unsupported architecture {archs or cfg.get('model_type')!r}; supported: {', '.join(HF_ARCHITECTURES)}"
         )
-    from .attention_config import HF_DEFAULTS, hf_attention_options  # it reads this module's helpers
+    from .attention_config import HF_DEFAULTS, hf_attention_options  # they read this module's helpers
+    from .longrope import hf_longrope
 
     cfg = {**HF_DEFAULTS.get(arch, {}), **cfg}
-    theta, scaling = hf_rope_scaling(cfg)
     n_heads = int(cfg["num_attention_heads"])
     dim = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
     head_dim = int(cfg.get("head_dim") or dim // n_heads)
     max_context = int(cfg.get("max_position_embeddings", 2048))
     options = hf_attention_options(cfg, arch, n_layers, max_context)
+    rope_dim = _hf_rope_dim(cfg, head_dim) if arch == "phi3" else None
+    rope = hf_longrope(cfg, rope_dim or head_dim, max_context) if arch == "phi3" else None
+    if rope is None:
+        theta, scaling = hf_rope_scaling(cfg)
+        rope = dict(rope_theta=theta, rope_scaling=scaling)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos_ids) or (tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
     fields = dict(
@@ -200,21 +215,21 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         head_dim=head_dim,
         ffn_dim=int(cfg["intermediate_size"]),
         vocab_size=int(cfg["vocab_size"]),
-        rope_theta=theta,
-        rope_scaling=scaling,
+        **rope,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
         max_context=max_context,
         bos_id=cfg.get("bos_token_id"),
         eos_ids=eos,
-        rope_dim=_hf_rope_dim(cfg, head_dim) if arch == "phi3" else None,
+        rope_dim=rope_dim,
         layers_without_rope=_hf_layers_without_rope(cfg, n_layers) if arch == "smollm3" else (),
     )
     return ModelConfig(**{**fields, **options})
 
 
-def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs=None) -> ModelConfig:
+def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_factors: dict | None = None) -> ModelConfig:
+    """`rope_factors`: the file's RoPE factor tensors by name (rope_freqs, rope_factors_long, rope_factors_short)."""
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(
@@ -235,12 +250,10 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         if kind != "linear":
             raise UnsupportedModel(f"unsupported rope scaling type {kind!r}")
         scaling = RopeScaling("linear", float(field("rope.scaling.factor")))
-    # llama.cpp's phi3 converter writes attn_factor only beside longrope's factor tensors
-    if meta.get(f"{arch}.rope.scaling.attn_factor") is not None:
-        raise UnsupportedModel(f"{arch}.rope.scaling.attn_factor: longrope RoPE scaling is not supported")
     n_layers = int(field("block_count"))
     max_context = int(field("context_length", 2048))
-    from .attention_config import gguf_attention_options  # it reads this module's helpers
+    from .attention_config import gguf_attention_options  # they read this module's helpers
+    from .longrope import gguf_longrope
 
     options = gguf_attention_options(meta, arch, n_layers, dim, n_heads, max_context)
     # rope.dimension_count is the rotated dims of a head: all of it but in phi3, whose head is dim / n_heads
@@ -254,6 +267,9 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         rope_dim = int(rope_dims)
     # llama.cpp's smollm3 has no metadata for its NoPE layers: it hard-codes every fourth (n_no_rope_layer_step)
     without_rope = tuple(i for i in range(n_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else ()
+    rope_factors = rope_factors or {}
+    freqs = rope_factors.get("rope_freqs")
+    longrope = gguf_longrope(meta, arch, rope_factors, max_context, rope_dim or head_dim)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     fields = dict(
         architecture=arch,
@@ -266,7 +282,7 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         vocab_size=int(meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
         rope_theta=float(field("rope.freq_base", 10000.0)),
         rope_scaling=scaling,
-        rope_freq_factors=tuple(float(x) for x in rope_freqs) if rope_freqs is not None else None,
+        rope_freq_factors=tuple(float(x) for x in freqs) if freqs is not None else None,
         norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=not has_output_weight,
         qkv_bias=arch == "qwen2",
@@ -276,7 +292,7 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_freqs
         rope_dim=rope_dim,
         layers_without_rope=without_rope,
     )
-    return ModelConfig(**{**fields, **options})
+    return ModelConfig(**{**fields, **options, **longrope})
 
 
 PRESETS: dict[str, ModelConfig] = {

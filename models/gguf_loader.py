@@ -73,10 +73,10 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = F
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists the row length first
         return StoredTensor(t.name, path, int(t.data_offset), t.tensor_type.name, shape, heads)
 
-    rope_freqs = None
-    if "rope_freqs.weight" in tensors:
-        rope_freqs = stored(tensors.pop("rope_freqs.weight")).floats().tolist()
-    config = from_gguf_metadata(meta, has_output_weight="output.weight" in tensors, rope_freqs=rope_freqs)
+    # RoPE's frequency factors, config rather than weights: llama3's rope_freqs, phi3's longrope long and short sets
+    rope_factors = {name: stored(tensors.pop(f"{name}.weight")).floats().tolist()
+                    for name in ("rope_freqs", "rope_factors_long", "rope_factors_short") if f"{name}.weight" in tensors}
+    config = from_gguf_metadata(meta, has_output_weight="output.weight" in tensors, rope_factors=rope_factors)
     state: dict[str, torch.Tensor | StoredTensor] = {}
     for t in tqdm(tensors.values(), desc="reading", unit="tensor", disable=not progress):
         name = our_name(t.name, config.architecture)

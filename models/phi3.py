@@ -1,11 +1,16 @@
-"""Phi-3 / Phi-4(-mini): Llama's blocks, with RoPE on only the first rope_dim dims of each q and k head
-when the config's partial_rotary_factor is below 1 (Phi-4-mini: 0.75, 96 of 128):
+"""Phi-3 / Phi-3.5 / Phi-4(-mini): Llama's blocks, with RoPE on only the first rope_dim dims of each q and k
+head when the config's partial_rotary_factor is below 1 (Phi-4-mini: 0.75, 96 of 128):
 
     q_h = concat(rope(q_h[:R]), q_h[R:]),  k_h likewise,      R = config.rotary_dim
 
 The checkpoint already fuses q, k, v into qkv_proj (in that order) and gate, up into gate_up_proj (gate
-first), the layout the shared blocks use, so the weights load as they are. Long-context "longrope" RoPE
-and sliding windows shorter than the context are refused in config.py.
+first), the layout the shared blocks use, so the weights load as they are. The rest comes from the config,
+through the shared blocks:
+- longrope RoPE (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini): each frequency divided by its long or short
+  factor (config.rope_freq_factors), cos and sin times config.rope_attn_factor. Which set, and why once for
+  the whole context rather than by sequence length as transformers switches, is in longrope.py.
+- a sliding window (Phi-3-mini-4k: 2047) on every layer, meant as transformers' Phi3 and Mistral mean it: a
+  token attends itself and the window - 1 before it (config.layer_windows, attention_config.py).
 """
 from __future__ import annotations
 

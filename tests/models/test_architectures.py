@@ -1,6 +1,7 @@
-"""Qwen3, SmolLM3, Phi-3 (partial RoPE) and Mistral against transformers: tiny random checkpoints that
-transformers itself writes, loaded and exported by kvserve, run through a real cache."""
+"""Qwen3, SmolLM3, Phi-3 (partial RoPE; longrope; a sliding window) and Mistral against transformers: tiny
+random checkpoints that transformers itself writes, loaded and exported by kvserve, run through a real cache."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,6 +24,15 @@ from .gguf_files import llama_cpp_source
 from .test_models import NO_ROWS, PROMPT, Session, greedy, hf_greedy, run_prompt
 
 ARCHS = ("qwen3", "smollm3", "phi3", "mistral")
+# checkpoints of an architecture above with options of their own, named "<arch>-<option>"
+VARIANTS = ("phi3-longrope", "phi3-window")
+CHECKPOINTS = ARCHS + VARIANTS
+# phi3-longrope's factors (exact in float32, as GGUF stores them), and its contexts: both test prompts (21 and 8
+# tokens) are longer than the original 6, so transformers rotates them by the long factors, as we do for a
+# model whose context (64) passes the original
+LONG_FACTORS, SHORT_FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0), (1.0, 1.25, 1.5, 2.0, 2.5, 3.0)
+LONGROPE_CONTEXT, LONGROPE_ORIGINAL = 64, 6
+PHI3_WINDOW = 5  # shorter than both test prompts
 # fused.py's modules that replace a whole stack of llama blocks (the q4 decoder op; two ops a layer)
 WHOLE_STACK = fused.NativeLayers
 OTHER_PROMPT = "def fibonacci(n):\n    return"
@@ -32,7 +42,9 @@ def write_arch_checkpoint(folder: Path, arch: str, tokenizer_source, seed: int =
     """A random transformers checkpoint of `arch`, 4 layers with GQA, plus SmolLM2's tokenizer. Norm
     weights are random too, so a norm in the wrong place shows: qwen3 with head_dim (32) independent of
     dim / heads (16); smollm3 with layers 0 and 2 NoPE (not the default every fourth); phi3 rotating 12 of
-    each head's 16 dims; mistral with head_dim 32 and no sliding window."""
+    each head's 16 dims; mistral with head_dim 32 and no sliding window. phi3-longrope is phi3 with longrope
+    scaling (Phi-4-mini's kind of config), phi3-window rotates whole heads and attends through a window of 5
+    (Phi-3-mini-4k's kind, whose window is 2047)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -52,6 +64,15 @@ def write_arch_checkpoint(folder: Path, arch: str, tokenizer_source, seed: int =
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**common, head_dim=32, sliding_window=None, tie_word_embeddings=False)
         model = transformers.MistralForCausalLM(cfg)
+    elif arch == "phi3-longrope":
+        rope = {"rope_type": "longrope", "long_factor": list(LONG_FACTORS), "short_factor": list(SHORT_FACTORS)}
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": LONGROPE_CONTEXT}, rope_scaling=rope,
+                                      original_max_position_embeddings=LONGROPE_ORIGINAL, partial_rotary_factor=0.75,
+                                      tie_word_embeddings=False)
+        model = transformers.Phi3ForCausalLM(cfg)
+    elif arch == "phi3-window":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, sliding_window=PHI3_WINDOW,
+                                                                     tie_word_embeddings=False))
     else:
         raise ValueError(arch)
     with torch.no_grad():
@@ -89,7 +110,8 @@ def write_gguf_from_hf(folder: Path, out_path: Path, outtype: str = "f32") -> Pa
 @pytest.fixture(scope="module")
 def arch_checkpoints(tmp_path_factory, smollm):
     root = tmp_path_factory.mktemp("archs")
-    return {arch: write_arch_checkpoint(root / arch, arch, smollm.tokenizer, seed=20 + i) for i, arch in enumerate(ARCHS)}
+    return {arch: write_arch_checkpoint(root / arch, arch, smollm.tokenizer, seed=20 + i)
+            for i, arch in enumerate(CHECKPOINTS)}
 
 
 def model_pairs(folders: dict):
@@ -139,11 +161,13 @@ def batched_greedy(forward, config, prompts, n):
             REGISTRY.uninstall(key)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CHECKPOINTS)
 def test_architecture_matches_transformers(loaded, arch):
+    """phi3-longrope: its long factors (and attention factor) on both sides, as both prompts pass the original
+    context; the short factors would give other logits."""
     model, hf = loaded(arch)
     config = model.config
-    assert config.architecture == arch
+    assert config.architecture == arch.split("-")[0]
     ids = model.tokenizer.encode(PROMPT)
     matches_transformers(model, hf, ids, [None, [5, 7, len(ids) - 12]])
 
@@ -168,7 +192,7 @@ def matches_transformers(model, hf, ids, chunkings) -> None:
     assert tokens == [expected[:12], hf_greedy(hf, other, 12)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CHECKPOINTS)
 def test_exported_program_attends_once_a_layer(loaded, arch):
     model, _ = loaded(arch)
     calls = [n for n in model.forward.graph.nodes if "update_and_attend" in str(n.target)]
@@ -183,7 +207,12 @@ def test_configs_read_what_each_architecture_differs_by(arch_checkpoints):
     assert configs["smollm3"].tie_embeddings
     assert configs["phi3"].rope_dim == configs["phi3"].rotary_dim == 12 and configs["phi3"].head_dim == 16
     assert configs["mistral"].head_dim == 32 and configs["mistral"].rotary_dim == 32
-    for config in configs.values():
+    longrope, window = (read_hf(arch_checkpoints[name])[0] for name in VARIANTS)
+    assert longrope.rope_freq_factors == LONG_FACTORS and longrope.rotary_dim == 12 and longrope.rope_scaling is None
+    factor = LONGROPE_CONTEXT / LONGROPE_ORIGINAL  # transformers' attention factor, from the two contexts
+    assert longrope.rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(factor) / math.log(LONGROPE_ORIGINAL)))
+    assert window.layer_windows == (PHI3_WINDOW,) * 4 and window.rotary_dim == window.head_dim
+    for config in (*configs.values(), longrope, window):
         assert ModelConfig.from_json(config.to_json()) == config  # the tuples and Nones come back as they were
 
 
@@ -193,8 +222,9 @@ def _hf_config(folder: Path, **changes) -> dict:
     return cfg
 
 
-def test_sliding_windows_and_longrope_are_refused(arch_checkpoints):
-    # Mistral's window is honoured (tests/models/test_gemma.py); one at least as long as the context never bites
+def test_sliding_windows_are_refused_where_not_implemented(arch_checkpoints):
+    # Mistral's window is honoured (tests/models/test_gemma.py), Phi-3's too (tests/models/test_phi3.py); one at
+    # least as long as the context never bites
     mistral = arch_checkpoints["mistral"]
     assert from_hf_config(_hf_config(mistral, sliding_window=64)).layer_windows == (64,) * 4
     assert from_hf_config(_hf_config(mistral, sliding_window=512)).layer_windows == ()
@@ -204,23 +234,12 @@ def test_sliding_windows_and_longrope_are_refused(arch_checkpoints):
     swa_types = ["full_attention", "sliding_attention"] * 2
     with pytest.raises(UnsupportedModel, match="sliding_window 64"):
         from_hf_config(_hf_config(qwen3, sliding_window=64, use_sliding_window=True, layer_types=swa_types))
-    phi3 = arch_checkpoints["phi3"]
-    with pytest.raises(UnsupportedModel, match="sliding_window 100"):
-        from_hf_config(_hf_config(phi3, sliding_window=100))
-    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
-                "short_factor": [1.0] * 6, "long_factor": [2.0] * 6, "original_max_position_embeddings": 256}
-    with pytest.raises(UnsupportedModel, match="longrope"):
-        from_hf_config(_hf_config(phi3, rope_parameters=longrope))
-    # GGUF metadata: the same refusals by llama.cpp's keys
-    meta = {"general.architecture": "phi3", "phi3.block_count": 4, "phi3.embedding_length": 64,
-            "phi3.attention.head_count": 4, "phi3.feed_forward_length": 128, "phi3.vocab_size": 100,
-            "phi3.context_length": 4096, "phi3.rope.dimension_count": 12}
-    assert from_gguf_metadata(meta, True).rope_dim == 12
-    assert from_gguf_metadata({**meta, "phi3.attention.sliding_window": 0}, True).head_dim == 16  # Phi-4: none
-    with pytest.raises(UnsupportedModel, match="phi3.attention.sliding_window 2047"):
-        from_gguf_metadata({**meta, "phi3.attention.sliding_window": 2047}, True)
-    with pytest.raises(UnsupportedModel, match="longrope"):
-        from_gguf_metadata({**meta, "phi3.rope.scaling.attn_factor": 1.19}, True)
+    # GGUF metadata: the same refusal by llama.cpp's keys
+    meta = {"general.architecture": "qwen3", "qwen3.block_count": 4, "qwen3.embedding_length": 64,
+            "qwen3.attention.head_count": 4, "qwen3.feed_forward_length": 128, "qwen3.vocab_size": 100,
+            "qwen3.context_length": 4096}
+    with pytest.raises(UnsupportedModel, match="qwen3.attention.sliding_window 2047"):
+        from_gguf_metadata({**meta, "qwen3.attention.sliding_window": 2047}, True)
 
 
 def test_options_only_where_a_decoder_honours_them():
@@ -234,19 +253,19 @@ def test_options_only_where_a_decoder_honours_them():
 
 
 @pytest.mark.skipif(not model_kernels_available(), reason="the C++/AVX2 kernels are unavailable")
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CHECKPOINTS)
 def test_native_modules_keep_each_architectures_math(arch_checkpoints, arch, monkeypatch):
     """q4 weights: fused.py's native stand-ins replace only modules that compute the same math. The same
-    q4 model without them is the reference; Mistral (Llama's blocks) shows a whole-stack native module
-    does swap in where it fits."""
+    q4 model without them is the reference; Mistral and phi3-window (Llama's blocks, windowed or not) show a
+    whole-stack native module does swap in where it fits."""
     config, state, _ = read_hf(arch_checkpoints[arch])
     native = build_model(config, state, torch.float32, weights="q4")
     monkeypatch.setattr(export_mod, "use_native_modules", lambda model: model)
     plain = build_model(config, state, torch.float32, weights="q4")
     kinds = {type(m) for m in native.modules()}
-    assert any(isinstance(m, WHOLE_STACK) for m in native.modules()) == (arch == "mistral")
+    assert any(isinstance(m, WHOLE_STACK) for m in native.modules()) == (arch in ("mistral", "phi3-window"))
     assert NativeRMSNorm in kinds
-    if arch == "phi3":
+    if config.rotary_dim < config.head_dim:
         assert NativeQKVRotary not in kinds  # it rotates whole heads
     if arch == "qwen3":  # the q/k norms run natively too, over each head's last dim
         assert all(type(b.self_attn.q_norm) is NativeRMSNorm for b in native.layers)
@@ -258,18 +277,21 @@ def test_native_modules_keep_each_architectures_math(arch_checkpoints, arch, mon
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "phi3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "mistral", "phi3-longrope", "phi3-window"])
 def test_llama_cpp_gguf_files_match_transformers(loaded, arch_checkpoints, arch, tmp_path):
     """llama.cpp's own conversion of each tiny folder loads as the folder does: its metadata reads as the HF
     config, and its logits match transformers'. SmolLM3 is left out: llama.cpp hard-codes its NoPE layers
-    as every fourth, which this checkpoint's are not."""
+    as every fourth, which this checkpoint's are not. phi3-longrope: the file's rope_factors_long (chosen, as
+    from the folder, since its context passes rope.scaling.original_context_length) and attn_factor, compared
+    with transformers' long factors; phi3-window: the file's attention.sliding_window."""
     path = write_gguf_from_hf(arch_checkpoints[arch], tmp_path / f"{arch}.gguf")
     ours = load_model(str(path), weights="f32", use_cache=False)
     hf_config = read_hf(arch_checkpoints[arch])[0]
-    assert ours.config.architecture == ("llama" if arch == "mistral" else arch)  # Mistral's files say llama
+    assert ours.config.architecture == ("llama" if arch == "mistral" else arch.split("-")[0])  # Mistral's say llama
     for field in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "rope_dim", "layers_without_rope",
-                  "tie_embeddings", "qkv_bias", "max_context"):
+                  "tie_embeddings", "qkv_bias", "max_context", "rope_freq_factors", "layer_windows"):
         assert getattr(ours.config, field) == getattr(hf_config, field), field
+    assert ours.config.rope_attn_factor == pytest.approx(hf_config.rope_attn_factor)  # a float32 in the file
     _, hf = loaded(arch)
     ids = ours.tokenizer.encode(PROMPT)
     with torch.no_grad():

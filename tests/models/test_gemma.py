@@ -184,7 +184,7 @@ def test_a_mistral_window_loads_and_others_still_refuse(checkpoints):
     wide = {**_hf_config(checkpoints["mistral"]), "sliding_window": 512}  # as long as the context: never bites
     assert from_hf_config(wide).layer_windows == ()
     cfg = {**_hf_config(checkpoints["mistral"]), "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}
-    with pytest.raises(UnsupportedModel, match="sliding_window 8 .* implemented for mistral, gemma2, gemma3 only"):
+    with pytest.raises(UnsupportedModel, match="sliding_window 8 .* implemented for mistral, phi3, gemma2, gemma3 only"):
         from_hf_config(cfg)
 
 

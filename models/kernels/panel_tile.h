@@ -1,7 +1,7 @@
 // The panel tile of quant_matmul.cpp, included there twice: for AVX2, and for CPUs with AVX512-VNNI,
 // where one vpdpwssd does a multiply-add and its accumulation (KVSERVE_DOT2 says which). The integer sums
 // are exact either way, so both give bitwise the same outputs. The includer defines the formats, GROUP,
-// PANEL and TileFn, and wraps this in a namespace of its own.
+// PANEL, TileFn and panel_bytes, and wraps this in a namespace of its own.
 
 // KVSERVE_DOT2(sum, lo, x0, hi, x1): sum + lo . x0 + hi . x1, in int32 lanes; KVSERVE_DOT1 one of them.
 #if !defined(KVSERVE_DOT2) || !defined(KVSERVE_DOT1)
@@ -19,7 +19,7 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  const int64_t next = nb / F::sub * F::bytes;  // from one panel to the next
+  const int64_t next = panel_bytes<F>(nb);  // from one panel to the next
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr)  // a block's share of the group's bytes
       for (int64_t at = b * C * F::bytes / F::sub; at < (b + 1) * C * F::bytes / F::sub; at += 64)

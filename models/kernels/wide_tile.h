@@ -1,6 +1,6 @@
 // The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
 // to int16, 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
-// the includer defines the panel formats, GROUP, PANEL and QuantizedRows.
+// the includer defines the panel formats, GROUP, PANEL, panel_bytes and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. The panels' bytes are unpacked once per chunk of rows
@@ -22,7 +22,7 @@ template <class F>
 inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
   constexpr int64_t QK = F::qk, WIDE_BLOCK = wide_block<QK>, WIDE_QUANTS = wide_quants<QK>;
   static_assert(GROUP == 2 && PANEL == 8, "a wide vector is one group: two panels of 8 features");
-  const uint8_t *q1 = q + nb / F::sub * F::bytes;  // the second panel
+  const uint8_t *q1 = q + panel_bytes<F>(nb);  // the second panel
   for (int64_t b = 0; b < nb; ++b, to += WIDE_BLOCK) {
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     for (int64_t j = 0; j < QK / 4; ++j) {
@@ -103,7 +103,7 @@ template <class F>
 void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
                  int64_t ldo, int64_t row_chunk) {
   constexpr int64_t WIDE_BLOCK = wide_block<F::qk>;
-  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * (nb / F::sub) * F::bytes;
+  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * panel_bytes<F>(nb);
   const int64_t units = (groups + 1) / 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> scratch;

@@ -65,11 +65,7 @@ def hf_attention_options(cfg: dict[str, Any], arch: str, n_layers: int, max_cont
     """ModelConfig's window and Gemma fields from a config.json (HF_DEFAULTS already under it)."""
     if arch in GEMMA_ARCHITECTURES:
         return hf_gemma_options(cfg, arch, n_layers)
-    window = hf_sliding_window(cfg)
-    if arch in EVERY_LAYER_WINDOWED and window is not None and 0 < int(window) < max_context:
-        return {"layer_windows": (int(window),) * n_layers}
-    refuse_sliding_window(window, max_context, "config.json sliding_window")
-    return {}
+    return every_layer_window(hf_sliding_window(cfg), arch, n_layers, max_context, "config.json sliding_window")
 
 
 def gguf_attention_options(meta: dict[str, Any], arch: str, n_layers: int, dim: int, n_heads: int,
@@ -80,10 +76,16 @@ def gguf_attention_options(meta: dict[str, Any], arch: str, n_layers: int, dim: 
     # Mistral's files say llama, whose llama.cpp decoder reads no window. phi3's converter writes config.json's
     # sliding_window as it is (0 for none, Phi-4), which we honour as transformers does; llama.cpp itself runs
     # Phi-3 without it for now (src/models/phi3.cpp: "Phi SWA is currently disabled")
-    window = meta.get(f"{arch}.attention.sliding_window")
-    if arch == "phi3" and window is not None and 0 < int(window) < max_context:
+    key = f"{arch}.attention.sliding_window"
+    return every_layer_window(meta.get(key), arch, n_layers, max_context, key)
+
+
+def every_layer_window(window, arch: str, n_layers: int, max_context: int, source: str) -> dict[str, Any]:
+    """A window shorter than the context on every layer, for the architectures that have one (EVERY_LAYER_WINDOWED),
+    refused on the others; {} where it never bites."""
+    if arch in EVERY_LAYER_WINDOWED and window is not None and 0 < int(window) < max_context:
         return {"layer_windows": (int(window),) * n_layers}
-    refuse_sliding_window(window, max_context, f"{arch}.attention.sliding_window")
+    refuse_sliding_window(window, max_context, source)
     return {}
 
 

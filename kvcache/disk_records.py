@@ -1,6 +1,7 @@
 """Session records on the disk tier: one JSON file per persistent session (its history and owner hash,
 never its KV, which the tier keeps by content), and the claims that make a session one live server's
-among those sharing the folder.
+among those sharing the folder. A claim's lock file names its holder (its boot id), so a server asked
+for a session another holds can tell which one to send the request to (server/api/peers.py).
 
 A mixin of `DiskTier` (kvcache/disk_tier.py), which owns what is used here: `root`, `identity`,
 `healthy`, `stats`, `_lock`, `_enqueue` and `_fail`, and runs `_do_record` on its writer thread.
@@ -21,6 +22,7 @@ log = logging.getLogger("kvserve.disk")
 RECORD_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # what a record is filed under: its session's id, within its owner's namespace (server/engine/session.py)
 RECORD_KEY = re.compile(r"([0-9a-f]{32}\.)?[A-Za-z0-9_-]{1,128}")
+HOLDER = re.compile(r"[0-9a-f]{32}")  # a server's boot id, as a claim's lock file names its holder
 
 
 class SessionRecords:
@@ -31,6 +33,7 @@ class SessionRecords:
         self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
         self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
         self._refused: set[str] = set()  # keys whose lock file is no file of ours (a symlink): warned about once
+        self.holder: str | None = None  # this server's boot id, written into each lock file it holds
 
     def save_session(self, record: dict) -> None:
         """Write a session's record behind (temporary file, fsync, rename)."""
@@ -78,7 +81,27 @@ class SessionRecords:
             os.close(fd)
             return False
         self._claims[key] = fd
+        self._sign(fd)
         return True
+
+    def _sign(self, fd: int) -> None:
+        """Name this server in a lock file it now holds: the name a previous holder left is that of a dead one."""
+        if self.holder is None:
+            return
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, self.holder.encode(), 0)
+        except OSError:  # the claim stands; only a request sent here by a peer would need the name
+            pass
+
+    def holder_of(self, key: str) -> str | None:
+        """The boot id a live server wrote into the lock file of a session it holds -> None if there is none
+        (a holder without one, or the moment between its lock and its write)."""
+        try:
+            text = read_regular(self.root / "sessions" / f"{key}.lock", 64).decode("ascii", "replace").strip()
+        except OSError:
+            return None
+        return text if HOLDER.fullmatch(text) else None
 
     def release(self, key: str) -> None:
         """Let the session go, once the writes handed over before are on disk: another server may claim it."""

@@ -81,6 +81,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or the last token's; L2-normalized either way")
     p.add_argument("--tenant-weights", default="", metavar="NAME=W,...",
                    help="shares of served tokens: NAME is an API key or a --tenant-header value; others weigh 1")
+    p.add_argument("--peers", action="append", metavar="URL,...",
+                   help="the servers sharing --kv-disk, this one too: a request for a session one of them holds is sent "
+                        "there, and sessions on disk at start wait for a request (kvserve cluster passes it)")
 
 
 SESSION_SHARE, SLOT_SHARE = 4, 2  # a tenant's default share of the server's sessions, and of its slots
@@ -119,6 +122,7 @@ def _engine_config(args) -> EngineConfig:
         kv_events_replay=args.kv_events_replay,
         shared_prefix_cache=args.shared_prefix_cache,
         pooling=args.pooling,
+        peers=origin_list(args.peers or ()),
     )
 
 

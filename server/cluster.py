@@ -5,8 +5,12 @@ session's replica (server/cluster_front.py). It launches, watches and stops proc
 the router's and nginx's (docs/scaling.md).
 
 A replica that dies is reported and left out: the router's health checks stop sending to it, and the
-others go on. It is not restarted, since a session that moved to another replica (by a shared --kv-disk)
-would hash back to it and find itself held there.
+others go on. It is not restarted: its sessions moved to the next replica in nginx's ring (by a shared
+--kv-disk), and every request for them would hash back to it, only to be relayed to their new holder.
+
+The replicas are each other's --peers (server/api/peers.py). On a shared --kv-disk, no request for a
+session is then answered 409 because another replica holds it, and a restarted cluster's sessions wait on
+disk for their first request, which takes each up on the replica it reaches.
 
 The cluster's /health is its own (server/cluster_health.py): 200 while any replica serves. Every line a
 replica, the router or nginx writes comes out of this process tagged with its name ("[replica 2] ...")."""
@@ -97,16 +101,20 @@ def tag_output(proc: subprocess.Popen, name: str) -> subprocess.Popen:
 
 
 def start(n: int, per: int | None, serve_args: list[str], model: str) -> tuple[list[Replica], list[subprocess.Popen]]:
-    replicas, procs = [], []
-    for i, cores in enumerate(core_sets(n, per), start=1):
-        port = free_port()
-        r = Replica(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", cores)
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
-               "--kv-events", r.events, "--kv-events-replay", r.replay, *serve_args]
-        env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
-        procs.append(tag_output(subprocess.Popen(cmd, env=env, preexec_fn=lambda c=cores: os.sched_setaffinity(0, c), **PIPES),
-                                f"replica {i}"))
-        replicas.append(r)
+    replicas = [Replica(f"http://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}",
+                        cores) for cores in core_sets(n, per)]
+    # each knows the others: a request for a session another replica holds (a Responses chain the router sent
+    # elsewhere, a session made through the router) goes there, and a restart leaves sessions on the shared
+    # --kv-disk until a request names one, so each lands on the replica the front door sends it to
+    peers = ",".join(r.url for r in replicas)
+    procs = []
+    for i, r in enumerate(replicas, start=1):
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--host", "127.0.0.1",
+               "--port", r.url.rsplit(":", 1)[1], "--kv-events", r.events, "--kv-events-replay", r.replay,
+               "--peers", peers, *serve_args]
+        env = {**os.environ, "OMP_NUM_THREADS": str(len(r.cores))}
+        procs.append(tag_output(subprocess.Popen(cmd, env=env, preexec_fn=lambda c=r.cores: os.sched_setaffinity(0, c),
+                                                 **PIPES), f"replica {i}"))
     return replicas, procs
 
 

@@ -61,6 +61,9 @@ class EngineConfig:
     # tenant can then learn, from cached_tokens or timing, which prefixes another sent
     shared_prefix_cache: bool = False
     pooling: str = "mean"  # embeddings: the mean of the prompt's final normed hidden states, or the last token's
+    # The servers sharing kv_disk (their URLs, this one's too): a request for a session one of them holds is
+    # sent there, and sessions on disk at start wait for a request instead of all going to the first server up
+    peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",

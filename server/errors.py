@@ -45,6 +45,15 @@ class Conflict(ApiError):
     status, kind = 409, "conflict_error"
 
 
+class HeldElsewhere(Conflict):
+    """A session that another live server on the shared --kv-disk holds. `holder` is that server's boot id,
+    where its claim names one: a server with --peers sends the request there (server/api/peers.py)."""
+
+    def __init__(self, message: str, holder: str | None, param: str | None = None) -> None:
+        super().__init__(message, param, {"Retry-After": "1"})
+        self.holder = holder
+
+
 class PayloadTooLarge(ApiError):
     status, kind = 413, "invalid_request_error"
 

@@ -5,7 +5,6 @@ import contextlib
 import json
 import logging
 import time
-import uuid
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -14,9 +13,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from ..config import ServerConfig
 from ..engine.engine import Engine
-from ..errors import ApiError, InvalidRequest, NotFound
+from ..errors import ApiError, HeldElsewhere, InvalidRequest, NotFound
 from . import anthropic, console, embeddings, misc, ollama, ollama_manage, openai, responses, sessions, tgi
 from .guard import GuardMiddleware, error_response
+from .peers import Peers
 
 log = logging.getLogger("kvserve.app")
 
@@ -35,22 +35,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = frozenset()) -> FastAPI:
+    # the other servers on the shared --kv-disk, to which a request for a session one of them holds goes
+    peers = Peers(engine.config.peers, engine.instance_id) if engine.config.peers else None
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         log.info("serving model %s", config.model_name)
         yield
         await engine.stop()
+        if peers is not None:
+            await peers.close()
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
-    app.state.instance_id = uuid.uuid4().hex  # this process's boot id: a router tells a restarted replica by it
+    app.state.instance_id = engine.instance_id  # this process's boot id: a router tells a restarted replica by it
     for module in (console, tgi, openai, responses, anthropic, ollama, ollama_manage, embeddings, sessions, misc):
         app.include_router(module.router)
 
     @app.exception_handler(ApiError)
     async def api_error(request, exc: ApiError):
+        if isinstance(exc, HeldElsewhere) and peers is not None:
+            return await peers.forward(request, exc)
         return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)

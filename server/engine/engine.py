@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvcache import REGISTRY, CacheRegistry, Sizing
@@ -51,9 +52,10 @@ class Engine(SessionOps):
                                      config.session_disk_ttl)
         self.max_context = config.context(c.max_context)
         self.lifetimes = Lifetimes(self.sessions, self.pool, self.max_context, c.vocab_size)
+        self.instance_id = uuid.uuid4().hex  # this process's boot id: a router and the peers tell it by this
         if config.kv_disk is not None:
-            self.pool.open_tier(config.kv_disk, config.kv_disk_budget, model)
-            self.lifetimes.restore()
+            self.pool.open_tier(config.kv_disk, config.kv_disk_budget, model, holder=self.instance_id)
+            self.lifetimes.restore(on_request=bool(config.peers))
         self.eos_ids = frozenset(self.tokenizer.eos_ids) | frozenset(c.eos_ids)
         self.scheduler = Scheduler(config, self.pool, self.sessions, self.eos_ids, label_secret(config.kv_disk))
         self.kv_events = None  # the prefix index's changes, for a router (kv_events.py)

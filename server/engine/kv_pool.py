@@ -55,13 +55,15 @@ class KVPool:
     def full_bytes(self, capacity: int) -> int:
         return self.blocks_for(capacity) * self.blocks.block_bytes
 
-    def open_tier(self, folder: str, budget: int, model: LoadedModel) -> DiskTier:
-        """Put a disk tier under the block pool, for this model's identity: what its KV depends on."""
+    def open_tier(self, folder: str, budget: int, model: LoadedModel, holder: str | None = None) -> DiskTier:
+        """Put a disk tier under the block pool, for this model's identity: what its KV depends on. `holder`
+        (this process's boot id) names the server in each session claim it takes."""
         blocks = self.blocks
         identity = {"model": model.fingerprint or model.name, "weights": model.weights, "dtype": str(model.dtype),
                     "kv_dtype": str(self.layout.dtype), "block_size": blocks.block_size, "kv_shape": list(blocks.k.shape[1:])}
         self.tier = blocks.tier = DiskTier(Path(folder), budget, identity, blocks.block_bytes, blocks.block_size,
                                            tuple(blocks.k.shape[1:]), tuple(blocks.v.shape[1:]), blocks.k.dtype)
+        self.tier.holder = holder
         return self.tier
 
     def prefetch(self, session: Session):

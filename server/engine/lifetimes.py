@@ -1,13 +1,15 @@
 """Where persistent sessions live over time: in RAM while in use; on the disk tier (--kv-disk) once idle
 past --session-ttl, or gone if there is none; gone from disk too once --session-disk-ttl has passed
 after that. A session on disk comes back into RAM when a request names it, on this server or on any
-other that shares the folder. At start, the sessions a server before this one left are read back."""
+other that shares the folder. At start, the sessions a server before this one left are read back, or,
+for one of several servers on the folder (--peers), left there until a request names one: a replica
+that took them all would hold sessions the front door sends to the others."""
 from __future__ import annotations
 
 import logging
 import time
 
-from ..errors import Conflict, Overloaded, quoted
+from ..errors import HeldElsewhere, Overloaded, quoted
 from .kv_pool import KVPool
 from .session import Session, SessionStore, owner_id, session_key
 
@@ -21,9 +23,9 @@ class Lifetimes:
         self.sessions, self.pool, self.max_context, self.vocab = sessions, pool, max_context, vocab
         self.parked: dict[str, float] = {}  # key -> when its disk copy expires: the sessions this server moved there
 
-    def restore(self) -> None:
-        """At start: the sessions on disk that fit; one idle past its TTL (or past its owner's quota) stays on
-        disk until a request names it, and one past its disk TTL goes."""
+    def restore(self, on_request: bool = False) -> None:
+        """At start: the sessions on disk that fit; one idle past its TTL (or past its owner's quota), or every
+        one if `on_request`, stays on disk until a request names it, and one past its disk TTL goes."""
         tier, now = self.pool.tier, time.time()
         counts = {"restored": 0, "left on disk": 0, "expired": 0, "held by another server": 0}
         for record in tier.sessions():
@@ -35,7 +37,7 @@ class Lifetimes:
                     tier.delete_session(key)
                     counts["expired"] += 1
                 continue
-            if self._idle_on_disk(record, now):
+            if on_request or self._idle_on_disk(record, now):
                 self.parked[key] = _expiry(record)
                 counts["left on disk"] += 1
             elif tier.claim(key):
@@ -74,8 +76,9 @@ class Lifetimes:
             return None
         self.sessions.check_quota(record.get("owner"))
         if not tier.claim(key):
-            raise Conflict(f"session {quoted(session_id)} is held by another server on this --kv-disk; "
-                           "send its requests there, or retry once that server is gone", param="session_id")
+            raise HeldElsewhere(f"session {quoted(session_id)} is held by another server on this --kv-disk; "
+                                "send its requests there, or retry once that server is gone", tier.holder_of(key),
+                                param="session_id")
         self.parked.pop(key, None)
         return self.sessions.restore(record)
 

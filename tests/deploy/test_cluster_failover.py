@@ -61,7 +61,8 @@ def health(url: str) -> httpx.Response:
 
 
 def test_a_dead_replica_leaves_a_healthy_cluster_json_errors_and_quiet_tagged_logs():
-    proc, url, pids, log = start_cluster(2, "--nginx")
+    health_port = free_port()
+    proc, url, pids, log = start_cluster(2, "--nginx", "--health-port", str(health_port))
     try:
         r = health(url)
         assert r.status_code == 200 and [s["healthy"] for s in r.json()["replicas"]] == [True, True], r.text
@@ -112,6 +113,9 @@ def test_a_dead_replica_leaves_a_healthy_cluster_json_errors_and_quiet_tagged_lo
         assert r.status_code == 200, r.text  # one replica serves: so does the cluster
         states = {s["url"]: s["healthy"] for s in r.json()["replicas"]}
         assert states == {u: u != victim for u in pids} and r.json()["serving"] == 1, r.text
+        gauges = dict(re.findall(r'kvserve_cluster_replica_up\{replica="\d",url="([^"]+)"\} (\d)',
+                                 httpx.get(f"http://127.0.0.1:{health_port}/metrics", timeout=15).text))
+        assert gauges == {u: "0" if u == victim else "1" for u in pids}, gauges  # the death shows in metrics too
 
         # the dead replica's session hashes to the next one, which never held it (no shared --kv-disk):
         # an answer in JSON, quickly, whichever replica gives it

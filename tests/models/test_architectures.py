@@ -38,13 +38,14 @@ WHOLE_STACK = fused.NativeLayers
 OTHER_PROMPT = "def fibonacci(n):\n    return"
 
 
-def write_arch_checkpoint(folder: Path, arch: str, tokenizer_source, seed: int = 0) -> Path:
+def write_arch_checkpoint(folder: Path, arch: str, tokenizer_source, seed: int = 0,
+                          longrope_context: int = LONGROPE_CONTEXT) -> Path:
     """A random transformers checkpoint of `arch`, 4 layers with GQA, plus SmolLM2's tokenizer. Norm
     weights are random too, so a norm in the wrong place shows: qwen3 with head_dim (32) independent of
     dim / heads (16); smollm3 with layers 0 and 2 NoPE (not the default every fourth); phi3 rotating 12 of
     each head's 16 dims; mistral with head_dim 32 and no sliding window. phi3-longrope is phi3 with longrope
     scaling (Phi-4-mini's kind of config), phi3-window rotates whole heads and attends through a window of 5
-    (Phi-3-mini-4k's kind, whose window is 2047)."""
+    (Phi-3-mini-4k's kind, whose window is 2047); its context is `longrope_context`."""
     import transformers
 
     torch.manual_seed(seed)
@@ -66,7 +67,7 @@ def write_arch_checkpoint(folder: Path, arch: str, tokenizer_source, seed: int =
         model = transformers.MistralForCausalLM(cfg)
     elif arch == "phi3-longrope":
         rope = {"rope_type": "longrope", "long_factor": list(LONG_FACTORS), "short_factor": list(SHORT_FACTORS)}
-        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": LONGROPE_CONTEXT}, rope_scaling=rope,
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": longrope_context}, rope_scaling=rope,
                                       original_max_position_embeddings=LONGROPE_ORIGINAL, partial_rotary_factor=0.75,
                                       tie_word_embeddings=False)
         model = transformers.Phi3ForCausalLM(cfg)

@@ -25,6 +25,10 @@ class CacheConfig:
     v_head_dim: int | None = None  # None: same as head_dim
     sizing: Sizing = Sizing.DYNAMIC
     dtype: torch.dtype = torch.float32
+    # The longest sliding window of a model whose every layer attends through one (Mistral, Phi-3-4k); 0 when
+    # some layer reads the whole history. A token's keys are then never read again once every window has
+    # passed them, and the cache gives their blocks back (session_cache.py).
+    window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_kv_heads", "head_dim", "capacity"):
@@ -37,6 +41,8 @@ class CacheConfig:
             object.__setattr__(self, "sizing", Sizing(self.sizing))
         except ValueError:
             raise ValueError(f"CacheConfig.sizing must be 'static' or 'dynamic', got {self.sizing!r}") from None
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 0:
+            raise ValueError(f"CacheConfig.window must be an int >= 0, got {self.window!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"CacheConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
 

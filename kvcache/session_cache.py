@@ -3,6 +3,13 @@
 Token t of the history lies in block table[t // B] of the pool, at row t % B. Blocks before the
 last may be shared with other caches (a forked session, a cached prefix); a shared block is never
 written: the first write into one copies it (copy on write), so sharing is invisible to every cache.
+
+A cache whose every layer attends through a sliding window (CacheConfig.window) gives back the blocks
+that every window has passed, once published: they stay in the table as holes (PASSED), which no
+attention reads. A few
+tokens more than the window are kept (REWIND_MARGIN), so a reply's last token or rejected drafts can be
+taken back; a rewind deeper than that, whose next token would need passed keys, empties the cache, and
+the history is prefilled again.
 """
 from __future__ import annotations
 
@@ -13,6 +20,10 @@ import torch
 from .block_pool import DEFAULT_BLOCK_SIZE, BlockPool, prefix_hashes
 from .config import CacheConfig, Sizing
 from .errors import CacheError, CacheFull, PoolExhausted
+
+
+PASSED = -1  # a table entry whose block went back to the pool: every window had passed it
+REWIND_MARGIN = 64  # tokens kept beyond a window, so a short rewind still finds every key its next token reads
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -35,6 +46,7 @@ class SessionCache:
         # cached prefix, so one tenant can neither hit nor time another's blocks (block_pool.prefix_hashes).
         self.seed = seed
         self.table: list[int] = []  # block ids, ceil(length / B) of them outside a step
+        self._passed = 0  # leading table entries that are PASSED holes (a windowed cache's)
         self._length = 0
         self._hashes: list[bytes] = []  # chained hash of each full block published so far
         self._reserved = 0  # STATIC: blocks still held back for this cache in the pool
@@ -67,7 +79,14 @@ class SessionCache:
     @property
     def nbytes(self) -> int:
         """Bytes this cache holds or has reserved in the pool, shared blocks included."""
-        return (len(self.table) + self._reserved) * self.pool.block_bytes
+        return (len(self.table) - self._passed + self._reserved) * self.pool.block_bytes
+
+    def read_table(self) -> list[int]:
+        """The block table as attention reads it: a passed hole names the first block still held. Only keys
+        before every window lie there, which a kernel may touch while it masks them, never uses."""
+        if not self._passed:
+            return self.table
+        return [self.table[self._passed]] * self._passed + self.table[self._passed :]
 
     def can_extend(self, n: int) -> bool:
         return 0 <= n and self._length + n <= self.config.capacity
@@ -106,13 +125,28 @@ class SessionCache:
     def commit(self, n: int) -> None:
         assert self._length + n <= self.allocated
         self._length += n
+        self._give_back_passed()
 
+    def _give_back_passed(self) -> None:
+        """Release the blocks wholly before every window of the next token, less REWIND_MARGIN, once published:
+        an indexed block stays in the pool's prefix cache (and on disk), so a later request or a restored
+        session still starts from it."""
+        w = self.config.window
+        if w == 0:
+            return
+        keep_from = min(max(0, self._length - w - REWIND_MARGIN) // self.pool.block_size, len(self._hashes))
+        for i in range(self._passed, keep_from):
+            self.pool.release(self.table[i])
+            self.table[i] = PASSED
+        self._passed = max(self._passed, keep_from)
     def trim(self) -> None:
         """Give back blocks past the history (after a rewind, or a step that did not commit)."""
         keep = blocks_for(self._length, self.pool.block_size)
         for block in self.table[keep:]:
-            self.pool.release(block)
+            if block != PASSED:
+                self.pool.release(block)
         del self.table[keep:]
+        self._passed = min(self._passed, keep)
         del self._hashes[self._length // self.pool.block_size :]
         if self.config.sizing is Sizing.STATIC:
             # hold back again what was given up, as far as the pool can (a block still shared elsewhere frees nothing)
@@ -137,7 +171,7 @@ class SessionCache:
     def history(self, layer: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K [H_kv, end, D] and V [H_kv, end, D_v] of one layer, gathered from the blocks (copies)."""
         end = self._length if end is None else end
-        blocks = torch.tensor(self.table[: blocks_for(end, self.pool.block_size)], dtype=torch.long)
+        blocks = torch.tensor(self.read_table()[: blocks_for(end, self.pool.block_size)], dtype=torch.long)
 
         def gather(rows: torch.Tensor) -> torch.Tensor:  # [nb, H_kv, B, D]
             return rows.transpose(0, 1).reshape(rows.shape[1], -1, rows.shape[-1])[:, :end]  # [H_kv, nb * B, D] -> [H_kv, end, D]
@@ -146,10 +180,13 @@ class SessionCache:
 
     # ---- history edits -------------------------------------------------------------------------
     def rewind(self, n: int) -> None:
-        """Forget the last n tokens (blocks no longer needed go back to the pool)."""
+        """Forget the last n tokens (blocks no longer needed go back to the pool). A windowed cache that would
+        then need keys it gave back forgets every token."""
         if not isinstance(n, int) or n < 0 or n > self._length:
             raise ValueError(f"rewind(n) needs 0 <= n <= length ({self._length}), got {n!r}")
         self._length -= n
+        if self._passed and self._length - self.config.window + 1 < self._passed * self.pool.block_size:
+            self._length = 0
         self.trim()
 
     def reset(self) -> None:
@@ -161,9 +198,9 @@ class SessionCache:
         self.pool.unreserve(self._reserved)
         self._reserved = 0
         self._length = 0
-        for block in self.table:
+        for block in self.table[self._passed :]:
             self.pool.release(block)
-        self.table, self._hashes = [], []
+        self.table, self._hashes, self._passed = [], [], 0
 
     def publish(self, tokens: Sequence[int], durable: bool = False) -> None:
         """Record the ids of the history, tokens[:length], beside its KV, and index its full blocks for
@@ -179,6 +216,7 @@ class SessionCache:
             self.pool.publish(block, digest, durable, parent)
             parent = digest
         self._hashes += fresh
+        self._give_back_passed()
 
     def attach_prefix(self, tokens: Sequence[int], fetched: dict | None = None) -> int:
         """Start an empty cache from the longest cached prefix of `tokens` (whole blocks), in RAM or among
@@ -195,9 +233,10 @@ class SessionCache:
     def fork(self, key: str = "") -> SessionCache:
         """A cache with the same history that shares every block; either side copies a block it writes into."""
         child = SessionCache(self.config, self.pool, key, self.seed)
-        for block in self.table:
+        for block in self.table[self._passed :]:
             self.pool.share(block)
         child.table, child._hashes, child._length = list(self.table), list(self._hashes), self._length
+        child._passed = self._passed
         child._take()
         return child
 

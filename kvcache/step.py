@@ -114,7 +114,7 @@ class ActiveStep:
         starts, flat = [], []
         for cache in caches:
             starts.append(len(flat))
-            flat.extend(cache.table)
+            flat.extend(cache.read_table())
         torch.ops.kvcache_native.bind_step(
             [c.pool.k for c in caches], [c.pool.v for c in caches], torch.tensor(flat, dtype=torch.long),
             starts, self.offsets, self.lengths, self.sizes, self.n_layers,

@@ -25,9 +25,12 @@ def kv_dtype(choice: str, model: LoadedModel) -> torch.dtype:
 
 
 def kv_layout(model: LoadedModel, choice: str, capacity: int = 1) -> CacheConfig:
-    """The shape and element type of the model's KV, with the `--kv-dtype` choice."""
+    """The shape and element type of the model's KV, with the `--kv-dtype` choice, and the window its caches
+    may forget behind: the longest, where every layer has one."""
     c = model.config
-    return CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype=kv_dtype(choice, model))
+    windows = c.layer_windows or (0,)
+    return CacheConfig(c.n_layers, c.n_kv_heads, c.head_dim, capacity, dtype=kv_dtype(choice, model),
+                       window=max(windows) if min(windows) > 0 else 0)
 
 
 class KVPool:
@@ -43,7 +46,8 @@ class KVPool:
 
     def config_for(self, session: Session) -> CacheConfig:
         l = self.layout
-        return CacheConfig(l.n_layers, l.n_kv_heads, l.head_dim, session.capacity, l.v_head_dim, session.sizing, l.dtype)
+        return CacheConfig(l.n_layers, l.n_kv_heads, l.head_dim, session.capacity, l.v_head_dim, session.sizing, l.dtype,
+                           l.window)
 
     def used(self) -> int:
         """Bytes referenced by caches or held back for static ones (cached prefixes nobody holds excluded)."""

@@ -7,6 +7,7 @@ salted by tenant, so it finds no block another request left."""
 import httpx
 import pytest
 
+from kvcache.session_cache import PASSED, REWIND_MARGIN
 from models import load_model
 from server.config import EngineConfig
 
@@ -16,10 +17,14 @@ from ..models.test_gemma import write_checkpoint
 
 GEMMAS = ("gemma2", "gemma3", "mistral-window")  # test_gemma's kinds; its mistral windows every layer
 ARCHITECTURES = CHECKPOINTS + GEMMAS
-# longer than every window (5 and 8) and than a block, so cached blocks hold keys a window has passed
+# longer than every window (5 and 8) and its margin (kvcache/session_cache.py), so cached blocks hold keys
+# every window has passed, and a session of a model windowed on every layer gives some back
 PROMPT = ("Once upon a time, in a quiet village by the river, there lived a small fox who counted the stars every "
-          "night. One evening the fox met an old owl, and they talked until the sun came up.")
-QUESTIONS = ["What did the fox count?", "Who did it meet?", "When did they stop talking?"]
+          "night. One evening the fox met an old owl, and they talked until the sun came up. The owl told of the "
+          "mountains in the north, where snow never melts, and of a lake so clear that fish seemed to fly. The fox "
+          "told of the meadow, the baker's bread, the miller's cat, and the bridge where children threw pebbles. "
+          "When morning came, they promised to meet again at the old oak by the mill.")
+QUESTIONS = [PROMPT + " What did the fox count?", "Who did it meet?", "When did they stop talking?"]
 OWNER = "owner-secret"
 FRESH = tuple(f"fresh-{i}-secret" for i in range(4))  # one a fresh reply: two servers, two turns each at most
 
@@ -90,6 +95,10 @@ def test_prefix_cache_sessions_and_disk_tier_serve_each_architecture(folders, ar
         held = got["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert held >= got["usage"]["prompt_tokens"] - block - 8, got["usage"]  # the first turn's history, kept
         length = httpx.get(f"{s.url}/v1/sessions/{sid}", headers=bearer(OWNER)).json()["length"]
+        windows = model.config.layer_windows
+        if windows and min(windows) > 0:  # the blocks every window passed went back to the pool
+            table = s.engine.sessions.get(sid, OWNER).cache.table
+            assert table.count(PASSED) >= (length - max(windows) - REWIND_MARGIN) // block - 1 > 0, (length, table)
 
     with LiveServer(model, config, api_keys=keys) as s:  # a new engine on the same folder: the session comes back from disk
         got, fresh = turn(s.url, sid, history, QUESTIONS[2], next(fresh_keys))

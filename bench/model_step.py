@@ -1,6 +1,9 @@
 """Latency of one model step: decode at batch 1/8/32/64 sessions, and a 512-token prefill. Prints JSON.
 
     python bench/model_step.py [--model smollm2-135m-instruct] [--weights auto] [--kv-dtype auto] [--context 128] [--repeats 10]
+                               [--enforce-eager]
+
+The compiled package runs where the artifact has one (`python -m models.compiled_program ARTIFACT` makes it).
 """
 from __future__ import annotations
 
@@ -30,14 +33,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--enforce-eager", action="store_true", help="program.py, not the compiled package")
     args = ap.parse_args()
     keep_step_buffers()  # as the engine does
-    model = load_model(args.model, args.dtype, weights=args.weights)
+    model = load_model(args.model, args.dtype, weights=args.weights, compiled=not args.enforce_eager)
     c = model.config
     kv = kv_dtype(args.kv_dtype, model)
     layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=kv)
     vocab = c.vocab_size
-    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "kv_dtype": str(kv).removeprefix("torch."), "threads": torch.get_num_threads(),
+    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "kv_dtype": str(kv).removeprefix("torch."), "threads": torch.get_num_threads(), "compiled": model.forward.compiled,
                "machine": platform.processor() or platform.machine(), "decode": {}}
 
     def forward(tokens, positions, rows):

@@ -21,6 +21,7 @@ from torch.export import Dim
 
 from . import trust
 from .catalog import sha256_of
+from .compiled_program import PACKAGE_FILE, Program, load_package
 from .architectures import build_decoder
 from .config import ModelConfig
 from .errors import ModelLoadError
@@ -59,6 +60,7 @@ class LoadedModel:
     fingerprint: str = ""  # a hash of the artifact's program, weights, config and tokenizer: what its KV depends on
     held: tuple[tuple[str, int], ...] = ()  # tensors by type, as held: (("Q4_K", 97), ("F32", 33), ...)
     held_bytes: int = 0  # the weights' bytes in memory
+    folder: Path | None = None  # the artifact it came from (where its compiled package goes); None: not saved
 
     def held_text(self) -> str:
         return ", ".join(f"{n} {t}" for t, n in self.held) or self.weights
@@ -167,14 +169,18 @@ def _assign_blocks(model: nn.Module, blocks: dict[str, Weight], state: dict[str,
 
 
 def export_program(model: Transformer) -> torch.export.ExportedProgram:
+    return export_module(model, model.config.max_context)
+
+
+def export_module(module: nn.Module, max_context: int) -> torch.export.ExportedProgram:
     """One program for prefill, chunks and decode: the token, logit-row and hidden-row counts are dynamic
     (no hidden rows at all in a step without embeddings)."""
-    max_ctx = max(model.config.max_context, 16)
+    max_ctx = max(max_context, 16)
     n, m = Dim("n_tokens", min=1, max=max_ctx), Dim("n_logits", min=1, max=max_ctx)
     h = Dim("n_hidden", min=0, max=max_ctx)
     example = (torch.zeros(1, 4, dtype=torch.long), torch.arange(4).unsqueeze(1), torch.tensor([1, 3]), torch.tensor([0, 2, 3]))
     with torch.no_grad():
-        return torch.export.export(model, example, dynamic_shapes=({1: n}, {0: n}, {0: m}, {0: h}), strict=False)
+        return torch.export.export(module, example, dynamic_shapes=({1: n}, {0: n}, {0: m}, {0: h}), strict=False)
 
 
 def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModule:
@@ -237,10 +243,11 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
     trust.trust(hashes[PROGRAM_FILE])
 
 
-def _program(folder: Path, meta: dict) -> torch.nn.Module:
-    """The saved program: fx's source, run as the forward of a module that holds the saved weights."""
+def saved_program(folder: Path, meta: dict, values: bool = True) -> torch.nn.Module:
+    """The saved program: fx's source, run as the forward of a module that holds the saved weights (or,
+    without `values`, untouched buffers of their shapes)."""
     root = torch.nn.Module()
-    tensors = read_safetensors(folder / WEIGHTS_FILE)
+    tensors = read_safetensors(folder / WEIGHTS_FILE, values)
     tensors.update({a: tensors[c] for a, c in meta["aliases"].items()})
     for attr, tensor in tensors.items():
         root.register_buffer(attr, tensor)
@@ -255,9 +262,10 @@ def is_artifact(folder: Path) -> bool:
     return (Path(folder) / PROGRAM_FILE).is_file() and (Path(folder) / "kvserve.json").is_file()
 
 
-def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
+def load_artifact(folder: Path, trusted: bool = False, compiled: bool = True) -> LoadedModel:
     """Load an artifact folder; its program runs only if kvserve exported it here, unchanged, or if the
-    caller trusts the folder (`trusted`, the CLI's --trust-artifact)."""
+    caller trusts the folder (`trusted`, the CLI's --trust-artifact). With `compiled`, the program's compiled
+    package runs instead where one was saved (compiled_program.py)."""
     folder = Path(folder)
     meta = json.loads((folder / "kvserve.json").read_text())
     if meta.get("format") != ARTIFACT_FORMAT:
@@ -268,7 +276,10 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
     kernels = model_kernels_available()
     if meta.get("weights") not in ("f32", "f16") and not kernels:
         raise ModelLoadError(f"{folder}: a {meta['weights']} artifact needs the C++/AVX2 kernels, which are unavailable here")
-    forward = _program(folder, meta)
+    forward = Program(saved_program(folder, meta))
+    package = load_package(forward.module, folder) if compiled else None
+    if package is not None:
+        forward.use(package)
     config = ModelConfig.from_json((folder / "config.json").read_text())
 
     # a trusted folder's recorded hashes went unchecked, so its fingerprint hashes the files themselves
@@ -283,6 +294,7 @@ def load_artifact(folder: Path, trusted: bool = False) -> LoadedModel:
         fingerprint=fingerprint(folder, hashes),
         held=tuple((str(t), int(n)) for t, n in meta.get("held", [])),
         held_bytes=int(meta.get("held_bytes", 0)),
+        folder=folder,
     )
 
 
@@ -293,6 +305,7 @@ def fingerprint(folder: Path, hashes: dict | None = None) -> str:
     hashes = hashes if hashes is not None else json.loads((Path(folder) / "kvserve.json").read_text())["sha256"]
     h = hashlib.sha256(json.dumps(hashes, sort_keys=True).encode())
     for f in sorted(Path(folder).iterdir()):
-        if f.is_file() and f.name not in (PROGRAM_FILE, WEIGHTS_FILE, "kvserve.json"):
+        # (the compiled package computes what the program does: the KV does not depend on it)
+        if f.is_file() and f.name not in (PROGRAM_FILE, WEIGHTS_FILE, "kvserve.json", PACKAGE_FILE):
             h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()

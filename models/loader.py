@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from . import export as export_mod
+from .compiled_program import Program
 from .catalog import NAMED_MODELS, cache_dir, fetch
 from .errors import ModelLoadError
 from .export import LoadedModel, build_model, export_program, is_artifact, load_artifact, save_artifact
@@ -77,20 +78,21 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
 
 
 def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32",
-               trust_artifact: bool = False) -> LoadedModel:
+               trust_artifact: bool = False, compiled: bool = True) -> LoadedModel:
     """Load an artifact as is (its program only if kvserve exported it, or `trust_artifact`); export a
-    checkpoint once and keep the artifact in the cache folder."""
+    checkpoint once and keep the artifact in the cache folder. With `compiled`, an artifact's compiled
+    package runs where it has one (models/compiled_program.py)."""
     weights = resolve_weights(weights)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     path = resolve(spec)
     if path.is_dir() and is_artifact(path):
-        return load_artifact(path, trusted=trust_artifact)
+        return load_artifact(path, trusted=trust_artifact, compiled=compiled)
     torch_dtype = DTYPES[dtype]
     cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights)
     if use_cache and is_artifact(cached):
         try:
-            return load_artifact(cached)
+            return load_artifact(cached, compiled=compiled)
         except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
             print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()
@@ -99,6 +101,7 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
         save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0], held_bytes=held[1])
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
-    forward = export_mod.runnable_module(program)
+    forward = Program(export_mod.runnable_module(program))
     return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights,
-                       fingerprint=export_mod.fingerprint(cached) if use_cache else "", held=held[0], held_bytes=held[1])
+                       fingerprint=export_mod.fingerprint(cached) if use_cache else "", held=held[0], held_bytes=held[1],
+                       folder=cached if use_cache else None)

@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "reference), f16, q4 (Q4_1), q4_0, q8_0")
     p.add_argument("--trust-artifact", action="store_true",
                    help="run an artifact folder's program.py although kvserve did not export it here (it is code)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the exported program as Python, never its AOTInductor-compiled package (which computes "
+                        "the same tokens with less overhead a step; serve compiles it in the background once)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -213,6 +216,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from models.compiled_program import compile_in_background
     from models.loader import load_model
 
     from .access_log import quiet_health_checks
@@ -224,7 +228,7 @@ def cmd_serve(args) -> int:
     start = time.time()
     worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own
     model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
-                          trust_artifact=args.trust_artifact).result()
+                          trust_artifact=args.trust_artifact, compiled=not args.enforce_eager).result()
     names = parse_names(args.served_model_name or ())
     name = names[0] if names else (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
@@ -237,6 +241,8 @@ def cmd_serve(args) -> int:
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
     log.info("loaded model %s (%s, %d layers, context %d; weights %s: %s) in %.1fs", name, model.config.architecture,
              model.config.n_layers, model.config.max_context, model.weights, model.held_text(), time.time() - start)
+    if not args.enforce_eager and model.folder is not None and not model.forward.compiled:
+        compile_in_background(model.forward, model.folder)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, header_timeout=server_config.header_timeout,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             engine, args.shutdown_timeout)

@@ -196,7 +196,7 @@ def matches_transformers(model, hf, ids, chunkings) -> None:
 @pytest.mark.parametrize("arch", CHECKPOINTS)
 def test_exported_program_attends_once_a_layer(loaded, arch):
     model, _ = loaded(arch)
-    calls = [n for n in model.forward.graph.nodes if "update_and_attend" in str(n.target)]
+    calls = [n for n in model.forward.module.graph.nodes if "update_and_attend" in str(n.target)]
     assert len(calls) == model.config.n_layers == 4
 
 

@@ -100,7 +100,7 @@ def _hf_config(folder) -> dict:
 @pytest.mark.parametrize("kind", KINDS)
 def test_exported_program_attends_once_a_layer_with_its_window(loaded, kind):
     model, _ = loaded(kind)
-    calls = [n for n in model.forward.graph.nodes if "update_and_attend" in str(n.target)]
+    calls = [n for n in model.forward.module.graph.nodes if "update_and_attend" in str(n.target)]
     assert len(calls) == model.config.n_layers == 4
     windows = {"gemma3": (WINDOW, 0, WINDOW, WINDOW), "gemma2": (WINDOW, 0, WINDOW, 0), "mistral": (WINDOW,) * 4}[kind]
     assert model.config.layer_windows == windows

@@ -33,7 +33,7 @@ def test_dropping_one_of_two_engines_frees_its_packed_weights(tiny_checkpoints):
     with servers[0] as first:
         with servers[1] as second:
             replies = [_reply(first.url), _reply(second.url)]  # a 6-token prefill takes the batched kernels
-        kept, dropped = (_derived(s.engine.model.forward) for s in servers)
+        kept, dropped = (_derived(s.engine.model.forward.module) for s in servers)
         assert replies[0] == replies[1]
         assert dropped and kept, "the program holds no derived weights to watch"
         assert {id(r()) for r in dropped}.isdisjoint({id(r()) for r in kept}), "the two engines share packed weights"

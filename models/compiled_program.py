@@ -14,7 +14,8 @@ architecture files stay Python.
   not parameters); at load it is handed the program's own tensors.
 - **When.** Compiling takes seconds, so `kvserve serve` does it after start-up, in a process of its own
   (`python -m models.compiled_program ARTIFACT`), while program.py serves; the model thread's next step
-  then runs the package (`Program.use`). The package is saved beside program.py (program.pt2), put on the
+  then runs the package (`Program.use`), through our torchbind class (kernels/compiled_package.cpp),
+  which, unlike torch's binding, lets go of the GIL for the step. The package is saved beside program.py (program.pt2), put on the
   trust list as program.py is (trust.py), and read at the next start. `--enforce-eager` keeps program.py
   (vLLM's flag).
 """
@@ -110,15 +111,17 @@ def load_package(module: nn.Module, folder: Path | None):
         log.warning("%s is not one kvserve compiled here: running program.py", path)
         return None
     try:
-        from torch._inductor import aoti_load_package
+        from .quant import load_model_kernels
 
         tensors = program_tensors(module)
         if not all(t.is_contiguous() for t in tensors.values()):  # compiled for the artifact's contiguous weights
             return None
-        package = aoti_load_package(str(path))
-        package.load_constants({n: tensors[n] for n in package.get_constant_fqns()}, check_full_update=True,
-                               user_managed=True)
-        return package.loader
+        load_model_kernels()
+        # our torchbind class (kernels/compiled_package.cpp), not torch's binding of the same loader: its
+        # methods run without the GIL, so the event loop goes on while a step runs, as beside program.py
+        package = torch.classes.kvserve_native.CompiledPackage(str(path))
+        package.use_constants({n: tensors[n] for n in package.constant_fqns()})
+        return package
     except Exception as e:  # a package of another torch, or a damaged one: program.py computes the same
         log.warning("%s did not load (%s): running program.py", path, e)
         return None

@@ -35,7 +35,8 @@ from .weight_memory import empty_weight
 WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
 FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}  # torch.float16 -> "F16"
-_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp")]
+_KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp",
+                                                                  "compiled_package.cpp")]
 
 
 def _packed(weight: torch.Tensor):

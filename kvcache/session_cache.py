@@ -6,10 +6,9 @@ written: the first write into one copies it (copy on write), so sharing is invis
 
 A cache whose every layer attends through a sliding window (CacheConfig.window) gives back the blocks
 that every window has passed, once published: they stay in the table as holes (PASSED), which no
-attention reads. A few
-tokens more than the window are kept (REWIND_MARGIN), so a reply's last token or rejected drafts can be
-taken back; a rewind deeper than that, whose next token would need passed keys, empties the cache, and
-the history is prefilled again.
+attention reads. A few tokens more than the window are kept (REWIND_MARGIN), so a reply's last token or
+rejected drafts can be taken back; a rewind deeper than that, whose next token would need passed keys,
+empties the cache, and the history is prefilled again.
 """
 from __future__ import annotations
 

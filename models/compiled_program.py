@@ -14,10 +14,11 @@ architecture files stay Python.
   not parameters); at load it is handed the program's own tensors.
 - **When.** Compiling takes seconds, so `kvserve serve` does it after start-up, in a process of its own
   (`python -m models.compiled_program ARTIFACT`), while program.py serves; the model thread's next step
-  then runs the package (`Program.use`), through our torchbind class (kernels/compiled_package.cpp),
-  which, unlike torch's binding, lets go of the GIL for the step. The package is saved beside program.py (program.pt2), put on the
-  trust list as program.py is (trust.py), and read at the next start. `--enforce-eager` keeps program.py
-  (vLLM's flag).
+  then runs the package (`Program.use`). The package is saved beside program.py (program.pt2), put on
+  the trust list as program.py is (trust.py), and read at the next start. `--enforce-eager` keeps
+  program.py (vLLM's flag).
+- **The GIL.** The package runs through our torchbind class (kernels/compiled_package.cpp), which,
+  unlike torch's binding of the same loader, lets go of the GIL for the step.
 """
 from __future__ import annotations
 

@@ -46,9 +46,13 @@ constexpr int64_t ROWS = 3;          // activation rows per tile
 constexpr int64_t GROUP = 2;         // panels per tile
 constexpr int64_t ROW_CHUNK = 128;   // activation rows kept in L2 while a thread walks its panels
 constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass tile prefetches
-// Where the CPU has AVX512-VNNI, from this many rows on the wide path (wide_tile.h) runs: its unpacking
-// pays for itself from fewer rows, as its tile does twice the multiply-adds an instruction.
-constexpr int64_t WIDE_FROM_ROWS = 8;
+// Where the CPU has AVX512-VNNI, from this many rows on the wide tiles (wide_tile.h) run, twice the
+// multiply-adds an instruction; with fewer, a step streams the weight and is bound by the read bandwidth.
+constexpr int64_t WIDE_FROM_ROWS = 3;
+// Below this many rows each tile of rows unpacks the panels' pairs in registers as it goes; from it they
+// are unpacked once into memory for all the rows (writing and reading them back cost more than a few
+// tiles' unpacking).
+constexpr int64_t UNPACK_WIDE_FROM = 16;
 
 // Activation rows quantized per block of qk (32, or 16 for Q6_K) to int16 (scale d = amax/32767;
 // s = d * sum(q), which a format's min term needs).
@@ -180,7 +184,9 @@ template <class F>
 void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out, int64_t ldo) {
   using U = typename F::Batch;
   const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * panel_bytes<F>(nb);
-  if (M >= WIDE_FROM_ROWS && has_wide()) return wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
+  if (M >= WIDE_FROM_ROWS && has_wide())
+    return M < UNPACK_WIDE_FROM ? wide::packed_wide_linear<F>(x, M, K, N, panels, out, ldo)
+                                : wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
   const bool use_vnni = has_vnni();
   const TileFn* packed_tiles = use_vnni ? vnni::tiles<F> : avx2::tiles<F>;
   const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<U> : avx2::tiles<U>;

@@ -3,11 +3,13 @@
 // the includer defines the panel formats, GROUP, PANEL, panel_bytes and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
-// the work of the 256-bit tile an instruction. The panels' bytes are unpacked once per chunk of rows
-// into a layout the inner loop reads whole (two panels side by side, each k pair of 16 features one
-// vector), so that loop is loads and vpdpwssd alone. Each output lane gets the same float operations in
-// the same order as in panel_tile.h (the integer sums are exact), so a row's outputs are bitwise the same
-// on either path: a row never depends on how many rows share its step.
+// the work of the 256-bit tile an instruction. With many rows the panels' bytes are unpacked once per
+// chunk of rows into a layout the inner loop reads whole (two panels side by side, each k pair of 16
+// features one vector), so that loop is loads and vpdpwssd alone. With a few (a handful of streams, or
+// one stream's drafted tokens) that unpacking was a third of the step: there each tile of up to 8 rows
+// unpacks the same vectors from the panels in registers (wide_pairs). Each output lane gets the same float
+// operations in the same order as in panel_tile.h (the integer sums are exact), so a row's outputs are
+// bitwise the same on every path: a row never depends on how many rows share its step.
 
 // A block of QKB weights: its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes, then 16 float scales
 // and 16 float mins.
@@ -97,6 +99,106 @@ using WideFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, c
 template <int64_t QK, int C, bool MIN>
 constexpr WideFn wide_tiles[WIDE_ROWS] = {wide_tile<QK, 1, C, MIN>, wide_tile<QK, 2, C, MIN>, wide_tile<QK, 3, C, MIN>,
                                           wide_tile<QK, 4, C, MIN>, wide_tile<QK, 5, C, MIN>, wide_tile<QK, 6, C, MIN>};
+
+// The 16 bytes at a and the 16 at b, as one vector.
+inline __m256i both(const uint8_t* a, const uint8_t* b) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(load128(a)), load128(b), 1);
+}
+
+template <class F>
+constexpr bool is_bytes = std::is_base_of_v<Bytes<F::qk, true>, F> || std::is_base_of_v<Bytes<F::qk, false>, F>;
+
+// Chunk j of a group's two panels' blocks p0 and p1 as the wide layout's vectors: k pairs 2j (lo) and
+// 2j + 1 (hi) of the 16 features, as unpack_wide writes them. Each format's pairs (panel_formats.h), done
+// for both panels at once on 512 bits.
+template <class F>
+inline void wide_pairs(const uint8_t* p0, const uint8_t* p1, int64_t j, __m512i& lo, __m512i& hi) {
+  if constexpr (std::is_base_of_v<Nibbles, F>) {
+    const __m512i w = _mm512_cvtepu8_epi16(both(p0 + 16 * j, p1 + 16 * j));
+    lo = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
+    hi = _mm512_srli_epi16(w, 4);
+  } else if constexpr (std::is_base_of_v<Nibbles6, F>) {
+    const __m512i w = _mm512_cvtepu8_epi16(both(p0 + 16 * j, p1 + 16 * j));
+    const __m512i n = _mm512_cvtepu8_epi16(both(p0 + 64 + 16 * (j / 2), p1 + 64 + 16 * (j / 2)));
+    const __m512i high = j & 1 ? _mm512_srli_epi16(n, 4) : _mm512_and_si512(n, _mm512_set1_epi16(0x0F));
+    lo = _mm512_and_si512(w, _mm512_set1_epi16(0x3F));
+    hi = _mm512_or_si512(_mm512_srli_epi16(w, 6), _mm512_slli_epi16(high, 2));
+  } else {
+    static_assert(is_bytes<F>, "a panel format wide_pairs knows");
+    const __m256i a = both(p0 + 32 * j, p1 + 32 * j), b = both(p0 + 32 * j + 16, p1 + 32 * j + 16);
+    if constexpr (F::is_signed) {
+      lo = _mm512_cvtepi8_epi16(a);
+      hi = _mm512_cvtepi8_epi16(b);
+    } else {
+      lo = _mm512_cvtepu8_epi16(a);
+      hi = _mm512_cvtepu8_epi16(b);
+    }
+  }
+}
+
+// [a, b] as one vector (insertf32x8 would need AVX512DQ).
+inline __m512 join(__m256 a, __m256 b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+
+// out[r][0..16) for R rows by one group (16 features) of packed panels of F at q, its pairs unpacked in
+// registers: for a few rows, unpacking each group once into memory cost more than the tiles that read it.
+template <class F, int R>
+void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+                      float* out, int64_t ldo, int64_t width) {
+  const uint8_t* q1 = q + panel_bytes<F>(nb);  // the second panel
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
+    const int32_t* xb[R];  // each row's block as k pairs
+    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
+    __m512i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < F::qk / 4; ++j) {
+      __m512i lo, hi;
+      wide_pairs<F>(p0, p1, j, lo, hi);
+      for (int r = 0; r < R; ++r)
+        sum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r], lo, _mm512_set1_epi32(xb[r][2 * j])), hi,
+                                     _mm512_set1_epi32(xb[r][2 * j + 1]));
+    }
+    const __m512 dw = join(F::scales(q, b), F::scales(q1, b)), mw = join(F::mins(q, b), F::mins(q1, b));
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
+      if (F::has_min) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (width >= 16) _mm512_storeu_ps(out + r * ldo, acc[r]);
+    else _mm512_mask_storeu_ps(out + r * ldo, (__mmask16)((1u << width) - 1), acc[r]);
+  }
+}
+
+constexpr int PACKED_ROWS = 8;  // rows a packed tile: 8 int32 sums and 8 float sums in registers
+using PackedFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t);
+template <class F>
+constexpr PackedFn packed_tiles[PACKED_ROWS] = {packed_wide_tile<F, 1>, packed_wide_tile<F, 2>, packed_wide_tile<F, 3>,
+                                                packed_wide_tile<F, 4>, packed_wide_tile<F, 5>, packed_wide_tile<F, 6>,
+                                                packed_wide_tile<F, 7>, packed_wide_tile<F, 8>};
+
+// out [M, N] = x [M, K] by the N-feature weight held as panels of F, a group (16 features) at a time,
+// unpacked in registers by every tile of rows.
+template <class F>
+void packed_wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
+                        int64_t ldo) {
+  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * panel_bytes<F>(nb);
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t col = g * GROUP * PANEL, width = std::min<int64_t>(GROUP * PANEL, N - col);
+      for (int64_t r = 0; r < M; r += PACKED_ROWS) {
+        const int64_t rows = std::min<int64_t>(PACKED_ROWS, M - r);
+        packed_tiles<F>[rows - 1](panels + g * group_bytes, nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K,
+                                  out + r * ldo + col, ldo, width);
+      }
+    }
+  });
+}
 
 // out [M, N] = x [M, K] by the N-feature weight held as panels of F, two groups (32 features) a tile.
 template <class F>

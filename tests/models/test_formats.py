@@ -45,7 +45,8 @@ def test_each_format_decodes_and_repacks_exactly(gguf_type):
 @pytest.mark.parametrize("gguf_type", sorted(FORMATS))
 def test_each_format_kernel_matches_its_weights_at_every_batch(gguf_type):
     """Near-exact against its own dequantized weight, and a row's output is bitwise the same whatever
-    shares its step: alone, in tiles of 2 and 3, the wide tiles (8+), unpacked panels (16+), two chunks (131)."""
+    shares its step: alone, in a tile of 2, the wide tiles unpacking in registers (3-15 rows: tiles of 8 and
+    the rest) and from panels unpacked once (16+), two chunks (131)."""
     rng = np.random.default_rng(3)
     rows, k = 200, 768
     raw = random_blocks(gguf_type, rows, k, rng)

@@ -52,14 +52,15 @@ def on_haswell(script: str, *args: str) -> None:
 
 
 def test_the_avx2_path_gives_the_same_bits_as_this_cpus(tmp_path):
-    """Each format at 1 row (the one-row tile), 3 (a full tile) and 17 (the batched paths: wide tiles on
-    VNNI, unpacked panels on AVX2), and its rows as an embedding reads them."""
+    """Each format at 1 row (the one-row tile), 3 (a full tile on AVX2; on VNNI a wide tile unpacking in
+    registers), 8 and 17 (wide tiles on VNNI, unpacked panels on AVX2), and its rows as an embedding reads
+    them."""
     rng = np.random.default_rng(5)
     inputs = {}
     for gguf_type in sorted(FORMATS):
         rows, k = 40, 512
         panels = stored_panels(gguf_type, random_blocks(gguf_type, rows, k, rng))
-        for m in (1, 3, 17):
+        for m in (1, 3, 8, 17):
             inputs[f"{gguf_type} x{m}"] = (torch.randn(m, k), panels, rows, FORMATS[gguf_type].kind.id)
     torch.save(inputs, tmp_path / "in.pt")
     on_haswell(PRODUCTS, str(tmp_path / "in.pt"), str(tmp_path / "out.pt"))

@@ -43,8 +43,9 @@ def build(quiet: bool = False) -> Path:
     root = target.parents[2]
     source = llama_cpp_source()  # downloaded and unpacked into root/llama.cpp once
     build_dir = root / "build"
-    # -march=native, but no AMX: where the CPU has it and the kernel does not grant its tiles to the
-    # process (virtual machines), ggml's AMX path dies at start with SIGILL or SIGSEGV
+    # -march=native, but no AMX: on the virtual machines here ggml's AMX path dies at the first batch with
+    # SIGILL or SIGSEGV, whether or not the kernel grants the process its tiles (a tilezero in
+    # ggml_backend_amx_mul_mat, with them granted)
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"],

@@ -1,6 +1,7 @@
 """Turn a model name, .gguf path, HF folder or artifact folder into a ready exported program."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import sys
 import time
@@ -91,8 +92,8 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     torch_dtype = DTYPES[dtype]
     cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights)
     if use_cache and is_artifact(cached):
-        try:
-            return load_artifact(cached, compiled=compiled)
+        try:  # named as asked now: the cached export may have been made under another name for the same file
+            return dataclasses.replace(load_artifact(cached, compiled=compiled), name=spec)
         except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
             print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()

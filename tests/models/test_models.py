@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcache import REGISTRY, CacheConfig, SessionCache, Sizing
-from models import ModelLoadError, UnsupportedModel, load_model
+from models import DEFAULT_MODEL, ModelLoadError, UnsupportedModel, load_model
 from models.detokenizer import IncrementalDetokenizer
 from models.export import build_model, export_program
 from models.gguf_loader import read_gguf
@@ -152,6 +152,14 @@ def test_incremental_detokenizer_never_breaks_characters(smollm, text):
     assert "".join(pieces) == tok.decode(ids)
     assert not any("\ufffd" in p for p in pieces)
     assert any(p == "" for p in pieces), "some multi-byte character should have been held back"
+
+
+def test_a_cached_export_is_named_as_it_is_asked_for(smollm_path):
+    """One file asked for by its path and by its catalog name shares one cached export, and each load carries
+    the name it was asked by (what a server then serves), not the one the export was first made under."""
+    by_path, by_name = load_model(str(smollm_path)), load_model(DEFAULT_MODEL)
+    assert by_path.folder == by_name.folder
+    assert (by_path.name, by_name.name) == (str(smollm_path), DEFAULT_MODEL)
 
 
 def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):

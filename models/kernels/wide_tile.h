@@ -143,13 +143,18 @@ inline __m512 join(__m256 a, __m256 b) {
 
 // out[r][0..16) for R rows by one group (16 features) of packed panels of F at q, its pairs unpacked in
 // registers: for a few rows, unpacking each group once into memory cost more than the tiles that read it.
+// `ahead`, if not null, is prefetched over the blocks, as in panel_tile.h: the group this thread reads
+// next, when this tile is the first over this group, which a few rows' step reads from memory.
 template <class F, int R>
 void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
-                      float* out, int64_t ldo, int64_t width) {
+                      float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
   const uint8_t* q1 = q + panel_bytes<F>(nb);  // the second panel
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    if (ahead != nullptr)  // a block's share of the group's bytes
+      for (int64_t at = b * GROUP * F::bytes / F::sub; at < (b + 1) * GROUP * F::bytes / F::sub; at += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     const int32_t* xb[R];  // each row's block as k pairs
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
@@ -176,7 +181,8 @@ void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const flo
 }
 
 constexpr int PACKED_ROWS = 8;  // rows a packed tile: 8 int32 sums and 8 float sums in registers
-using PackedFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t);
+using PackedFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t,
+                          const uint8_t*);
 template <class F>
 constexpr PackedFn packed_tiles[PACKED_ROWS] = {packed_wide_tile<F, 1>, packed_wide_tile<F, 2>, packed_wide_tile<F, 3>,
                                                 packed_wide_tile<F, 4>, packed_wide_tile<F, 5>, packed_wide_tile<F, 6>,
@@ -193,8 +199,10 @@ void packed_wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N,
       const int64_t col = g * GROUP * PANEL, width = std::min<int64_t>(GROUP * PANEL, N - col);
       for (int64_t r = 0; r < M; r += PACKED_ROWS) {
         const int64_t rows = std::min<int64_t>(PACKED_ROWS, M - r);
+        // past the weight's end a prefetch is only wasted, never a fault
+        const uint8_t* ahead = r == 0 ? panels + (g + PREFETCH_GROUPS) * group_bytes : nullptr;
         packed_tiles<F>[rows - 1](panels + g * group_bytes, nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K,
-                                  out + r * ldo + col, ldo, width);
+                                  out + r * ldo + col, ldo, width, ahead);
       }
     }
   });

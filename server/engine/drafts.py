@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .batch import StepBatch
+
 MODES = ("ngram", "off")
 
 
@@ -24,7 +26,7 @@ class SpeculationConfig:
     """How requests draft: --speculative, --num-speculative-tokens and the lookup's n-gram sizes."""
 
     mode: str = "ngram"
-    max_draft: int = 5  # draft tokens per request and step (vLLM's num_speculative_tokens)
+    max_draft: int = 7  # draft tokens per request and step (vLLM's num_speculative_tokens)
     max_n: int = 4  # the longest suffix looked up (vLLM's prompt_lookup_max)
     min_n: int = 1  # the shortest (prompt_lookup_min)
     # Rows a step may reach with drafts: past this the step is compute-bound, where a rejected draft costs
@@ -38,12 +40,13 @@ class SpeculationConfig:
             raise ValueError("num_speculative_tokens, the n-gram sizes and max_rows must be positive and ordered")
 
 
-# How long a draft to check: each draft row costs ROW_COST of a one-row step (a step reads every weight
-# once, but each row adds its own arithmetic: docs/performance.md has the measurement), and a draft's
-# tokens stand one after another with the request's recent acceptance rate `a`, so k drafts emit
-# (1 - a^(k+1)) / (1 - a) tokens for 1 + ROW_COST * k. A request drafts the k that emits most per cost,
-# when that beats one token a step by GAIN; else it waits `backoff` tokens (doubling each time, up to
-# MAX_BACKOFF) and tries again.
+# How long a draft to check: each draft row costs c of a one-row step (a step reads every weight once, but
+# each row adds its own arithmetic), and a draft's tokens stand one after another with the request's
+# recent acceptance rate `a`, so k drafts emit (1 - a^(k+1)) / (1 - a) tokens for 1 + c * k. A request
+# drafts the k that emits most per cost, when that beats one token a step by GAIN; else it waits `backoff`
+# tokens (doubling each time, up to MAX_BACKOFF) and tries again. c is measured as steps run (RowCosts):
+# it is small where a step reads its weights from memory, and larger where they sit in the cache;
+# ROW_COST stands in until then (a small model's, docs/performance.md).
 ROW_COST = 0.25
 GAIN = 1.05
 PRIOR = 0.6  # the acceptance rate a request starts from, and tries again with after waiting
@@ -51,12 +54,12 @@ DECAY = 0.6  # the weight of the past in the rate, per drafted step
 FIRST_BACKOFF, MAX_BACKOFF = 8, 256
 
 
-def best_length(rate: float, limit: int) -> int:
+def best_length(rate: float, limit: int, row_cost: float = ROW_COST) -> int:
     """The draft length (0..limit) that emits the most tokens per unit of step cost at acceptance `rate`."""
     a = min(max(rate, 0.0), 0.99)
     best, best_gain = 0, GAIN
     for k in range(1, limit + 1):
-        gain = (1 - a ** (k + 1)) / (1 - a) / (1 + ROW_COST * k)
+        gain = (1 - a ** (k + 1)) / (1 - a) / (1 + row_cost * k)
         if gain > best_gain:
             best, best_gain = k, gain
     return best
@@ -72,15 +75,17 @@ class Drafter:
         self.rate = PRIOR  # per draft token, the chance it stands (given the ones before it did)
         self._wait = 0  # tokens to go before drafting again
         self._backoff = FIRST_BACKOFF
+        self._row_cost = ROW_COST
 
-    def propose(self, history: list[int], limit: int) -> list[int]:
+    def propose(self, history: list[int], limit: int, row_cost: float = ROW_COST) -> list[int]:
         """Up to `limit` tokens to follow `history`: what followed the latest earlier occurrence of its longest
-        suffix (max_n down to min_n tokens) that occurred before, as many as pay at its acceptance rate; none
-        if none did, or while it waits."""
+        suffix (max_n down to min_n tokens) that occurred before, as many as pay at its acceptance rate and
+        `row_cost` (a draft row's share of a one-row step); none if none did, or while it waits."""
         if self._wait > 0:
             self._wait -= 1
             return []
-        k = best_length(self.rate, min(limit, self.config.max_draft))
+        self._row_cost = row_cost
+        k = best_length(self.rate, min(limit, self.config.max_draft), row_cost)
         if k == 0:
             return []
         self._index(history)
@@ -104,11 +109,38 @@ class Drafter:
         """One step's verdict on `drafted` tokens: `accepted` stood, and the next one (if any) did not."""
         tried = accepted + (accepted < drafted)  # the draft tokens whose verdict says something of the rate
         self.rate = DECAY * self.rate + (1 - DECAY) * accepted / tried
-        if best_length(self.rate, self.config.max_draft) > 0:
+        if best_length(self.rate, self.config.max_draft, self._row_cost) > 0:
             self._backoff = FIRST_BACKOFF
             return
         self._wait, self._backoff = self._backoff, min(2 * self._backoff, MAX_BACKOFF)
         self.rate = PRIOR  # when it tries again, it starts over
+
+
+class RowCosts:
+    """A draft row's cost, as a share of a one-row step, from the steps this model has run here: each row
+    count's time (a moving average, over steps that only decode, up to max_rows rows), and the slope of time
+    over rows through the one-row step's."""
+
+    WEIGHT = 0.2  # of each new step in its row count's average
+
+    def __init__(self, max_rows: int) -> None:
+        self.max_rows = max_rows
+        self._seconds: dict[int, float] = {}  # rows -> a step's time
+
+    def observe(self, batch: StepBatch, seconds: float) -> None:
+        rows = batch.n_tokens
+        if rows > self.max_rows or any(len(c.tokens) != 1 + c.drafts or not c.sample for c in batch.chunks):
+            return  # a prefill's step, or more rows than drafts ever make
+        old = self._seconds.get(rows)
+        self._seconds[rows] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+
+    def row_cost(self) -> float:
+        one = self._seconds.get(1)
+        more = [(r - 1, t) for r, t in self._seconds.items() if r > 1]
+        if one is None or not more:
+            return ROW_COST
+        slope = sum(n * (t - one) for n, t in more) / sum(n * n for n, _ in more)
+        return min(max(slope / one, 0.01), 1.0)
 
 
 def accepted_prefix(drafts: tuple[int, ...], sampled: list[int]) -> int:

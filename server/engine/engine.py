@@ -265,7 +265,9 @@ class Engine(SessionOps):
             self._wake.wait(0.005 if waiting else None)
             return
         try:
+            started = time.perf_counter()
             sampled, scores, hidden = self.runner.run(batch)
+            took = time.perf_counter() - started
         except Exception as e:  # one bad step fails its requests, never the server
             log.exception("step failed")
             with self.lock:
@@ -274,6 +276,7 @@ class Engine(SessionOps):
             return
         with self.lock:
             self.metrics.step_sessions.observe(len(batch.chunks))
+            self.scheduler.row_costs.observe(batch, took)
             before = self.scheduler.counts.emitted
             outputs = [(r, len(r.output_ids)) for c in batch.chunks if (r := self.scheduler.by_id.get(c.request_id))]
             self.scheduler.postprocess(batch, sampled, scores, hidden)

@@ -27,6 +27,7 @@ from kvcache import PoolExhausted, Sizing
 from ..config import EngineConfig
 from ..errors import Overloaded, StepFailed, TimedOut
 from .batch import Chunk, StepBatch
+from .drafts import RowCosts
 from .kv_pool import KVPool
 from .metrics import StepCounts
 from .sampling import Sampled
@@ -48,6 +49,7 @@ class Scheduler:
         self._retired: list[Sequence] = []
         self._in_flight: set[str] = set()  # the requests of the step being run, between schedule and postprocess
         self.tenants = Tenants(config.tenant_weights, label_secret)
+        self.row_costs = RowCosts(config.speculation.max_rows)  # what drafts cost, as steps are timed
 
     def check_room(self, owner: str | None, n: int = 1) -> None:
         """Refuse (429) only what does not fit: running slots free count as room, as the queue does."""
@@ -98,7 +100,7 @@ class Scheduler:
             n = min(len(req.session.pending), tokens_left if decoding else min(tokens_left, prefill_left))
             if n == 0:
                 break  # the prefill share is spent, and only prefills are left
-            drafts = req.draft(min(spare, tokens_left - n)) if decoding and spare else ()
+            drafts = req.draft(min(spare, tokens_left - n), self.row_costs.row_cost()) if decoding and spare else ()
             need = req.session.cache.pool_demand(n + len(drafts))
             fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
             if fits:

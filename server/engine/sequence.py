@@ -189,13 +189,15 @@ class Sequence:
             return None
         return torch.nn.functional.normalize(self.pool_state, dim=0).float()
 
-    def draft(self, limit: int) -> tuple[int, ...]:
-        """Up to `limit` tokens to check after its pending one in this step: as many as its reply and its
-        session still have room for, and its grammar takes."""
+    def draft(self, limit: int, row_cost: float) -> tuple[int, ...]:
+        """Up to `limit` tokens to check after its pending one in this step: as many as pay at `row_cost` (a
+        draft row's share of a one-row step), its reply and its session still have room for, and its grammar
+        takes."""
         if self.drafter is None:
             return ()
         left = self.params.max_tokens - len(self.output_ids)
-        drafts = self.drafter.propose(self.session.tokens, min(limit, left - 1, self.session.capacity - len(self.session.tokens)))
+        room = min(limit, left - 1, self.session.capacity - len(self.session.tokens))
+        drafts = self.drafter.propose(self.session.tokens, room, row_cost)
         if self.constraint is not None and drafts:
             drafts = drafts[: self.constraint.draftable(drafts, left)]
         return tuple(drafts)

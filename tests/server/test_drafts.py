@@ -1,10 +1,10 @@
 """N-gram drafts and their verdicts against real caches, with no model: exact chunks, rows and rewinds."""
 from kvcache.step import ActiveStep
-from server.engine.drafts import Drafter, SpeculationConfig, best_length
+from server.engine.drafts import ROW_COST, Drafter, SpeculationConfig, best_length
 from server.engine.sampling import Sampled, SamplingParams
 from server.engine.sequence import Sequence
 
-from .test_scheduler import make
+from .test_scheduler import make, run_step, submit
 
 CONFIG = SpeculationConfig(max_draft=3, max_n=3, min_n=1)
 
@@ -102,3 +102,30 @@ def test_many_decoding_requests_draft_nothing():
     batch = sched.schedule()
     assert [c.drafts for c in batch.chunks] == [0] * 8 and len(batch.rows) == 8
     assert all(r.output_ids == [3] for r in reqs)
+
+
+def test_a_draft_row_costs_what_the_timed_steps_say():
+    sched, sessions, _ = make()
+    costs = sched.row_costs
+    plain = submit(sched, sessions, 4, max_tokens=2)
+    prefill = sched.schedule()
+    costs.observe(prefill, 1.0)  # a prompt's step says nothing of what a draft row costs
+    run_step(sched, prefill)
+    assert costs.row_cost() == ROW_COST  # nothing measured yet: the prior
+    one_row = sched.schedule()
+    assert one_row.n_tokens == 1
+    costs.observe(one_row, 0.010)
+    run_step(sched, one_row)
+    assert plain.finished is not None and costs.row_cost() == ROW_COST  # one row alone gives no slope
+
+    req = drafting(sched, sessions, [4, 5, 6, 7, 4, 5])
+    run(sched, sched.schedule(), [6])
+    drafted = sched.schedule()
+    assert drafted.n_tokens == 4 and drafted.chunks[0].drafts == 3
+    costs.observe(drafted, 0.0115)  # three draft rows cost 15% of a one-row step
+    assert abs(costs.row_cost() - 0.05) < 1e-9
+    costs.observe(drafted, 0.0165)  # each new step moves the average a fifth of the way
+    assert abs(costs.row_cost() - (0.0125 - 0.010) / 3 / 0.010) < 1e-9
+    # where rows are cheap, the same acceptance pays for longer drafts
+    assert best_length(0.7, 7, costs.row_cost()) > best_length(0.7, 7)
+    assert req.output_ids == [6]

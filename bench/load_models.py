@@ -69,6 +69,96 @@ def model_file(size: str, fmt: str) -> Path:
     return out
 
 
+# SmolLM2-135M's 30 layers at Llama-3.2-1B's width and heads: each layer's FFN cut so that a token reads
+# as many weights as Llama-3.2-1B's 16 layers do (30 x 32.5M = 16 x 60.8M)
+WIDENED = dict(dim=2048, n_heads=32, n_kv_heads=8, ffn=3584)
+
+
+def copying_model_file(fmt: str) -> Path:
+    """A model that costs a 1B's reads per token and still writes like SmolLM2 (it copies, so n-gram drafts
+    land): SmolLM2-135M-Instruct's weights, widened with zeros. Its heads keep their key-value groups, its
+    norms are rescaled for the wider mean (weights by sqrt(576/2048), epsilon by 576/2048), and the extra
+    rows and columns are zero, which every block format holds exactly, so the extra width stays zero."""
+    folder = cache_dir() / "bench-models"
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"smollm2-widened-1b-{fmt}.gguf"
+    if out.is_file():
+        return out
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(fetch("smollm2-135m-instruct")))
+    field = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.")}
+    dim, heads, kv_heads, ffn = (field[f"llama.{k}"] for k in ("embedding_length", "attention.head_count",
+                                                              "attention.head_count_kv", "feed_forward_length"))
+    head_dim, group, W = dim // heads, heads // kv_heads, WIDENED
+    new_group = W["n_heads"] // W["n_kv_heads"]
+    share = dim / W["dim"]
+    f16 = out.with_name(out.stem + ".F16.tmp")
+    writer = gguf.GGUFWriter(str(f16), "llama")
+    writer.add_name(out.stem)
+    writer.add_block_count(field["llama.block_count"])
+    writer.add_context_length(field["llama.context_length"])
+    writer.add_embedding_length(W["dim"])
+    writer.add_feed_forward_length(W["ffn"])
+    writer.add_head_count(W["n_heads"])
+    writer.add_head_count_kv(W["n_kv_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(field["llama.rope.freq_base"])
+    writer.add_layer_norm_rms_eps(field["llama.attention.layer_norm_rms_epsilon"] * share)
+    writer.add_vocab_size(field["llama.vocab_size"])
+    for name, f in reader.fields.items():
+        if name.startswith("tokenizer."):
+            writer.add_key_value(name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+
+    def heads_at(n_old: int, old_group: int) -> list[int]:  # where each old head's rows go, groups kept
+        return [(h // old_group) * (new_group if old_group == group else 1) + h % old_group for h in range(n_old)]
+
+    def rows_of(a: np.ndarray, to: list[int], n_new: int) -> np.ndarray:  # head blocks of rows placed
+        wide = np.zeros((n_new * head_dim, a.shape[1]), np.float32)
+        for old, new in enumerate(to):
+            wide[new * head_dim:(new + 1) * head_dim] = a[old * head_dim:(old + 1) * head_dim]
+        return wide
+
+    def padded(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
+        wide = np.zeros((rows, cols), np.float32)
+        wide[: a.shape[0], : a.shape[1]] = a
+        return wide
+
+    q_heads, kv_heads_at = heads_at(heads, group), heads_at(kv_heads, 1)
+    for t in reader.tensors:
+        a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        kind = t.name.split(".")[-2]
+        if a.ndim == 1:  # a norm's weights
+            wide = np.zeros(W["dim"], np.float32)
+            wide[:dim] = a * share ** 0.5
+        elif kind == "attn_q":
+            wide = padded(rows_of(a, q_heads, W["n_heads"]), W["n_heads"] * head_dim, W["dim"])
+        elif kind in ("attn_k", "attn_v"):
+            wide = padded(rows_of(a, kv_heads_at, W["n_kv_heads"]), W["n_kv_heads"] * head_dim, W["dim"])
+        elif kind == "attn_output":
+            wide = padded(rows_of(a.T, q_heads, W["n_heads"]).T, W["dim"], W["n_heads"] * head_dim)
+        elif kind in ("ffn_gate", "ffn_up"):
+            wide = padded(a, W["ffn"], W["dim"])
+        elif kind == "ffn_down":
+            wide = padded(a, W["dim"], W["ffn"])
+        else:  # token_embd
+            wide = padded(a, a.shape[0], W["dim"])
+        writer.add_tensor(t.name, wide.astype(np.float16 if wide.ndim > 1 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if fmt == "F16":
+        f16.rename(out)
+        return out
+    subprocess.run([str(tool("llama-quantize")), str(f16), str(out.with_suffix(".tmp")), fmt, "2"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out.with_suffix(".tmp").rename(out)
+    f16.unlink()
+    return out
+
+
 def memory(pid: int) -> dict:
     fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
     return {"peak_rss_mb": int(fields["VmHWM"].split()[0]) // 1024, "rss_mb": int(fields["VmRSS"].split()[0]) // 1024}

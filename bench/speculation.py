@@ -2,12 +2,17 @@
 llama-server with and without its own n-gram speculation. Prints JSON.
 
     python bench/speculation.py --llama-server PATH/llama-server [--gguf FILE] [--rounds 3] [--streams 1,32]
+                                [--widened-1b]
+
+--widened-1b serves both sides a model that reads as many bytes a token as Llama-3.2-1B and still copies:
+SmolLM2-135M widened with zeros, as Q4_K_M (bench/load_models.py), since random weights never copy.
 
 One kvserve (`--speculative ngram`; each request sets `speculative` on or off) and two llama-servers
 (`-np 32 -c 98304 -t 2 --cont-batching --jinja`, plain and `--spec-type ngram-simple`) run side by side.
 Every prompt goes to each target in turn, greedy and streamed, and a round repeats the set. A request's
-decode rate is its tokens after the first over the time since the first (prefill is not speculation's
-business); a set's figure is the median over its requests and rounds. With 32 streams the whole set runs
+decode rate is its tokens after the first over the time since the first, its end-to-end rate all its
+tokens over its whole time (the prefill's included); a set's figure is the median over its requests and
+rounds. With 32 streams the whole set runs
 at once, 32 requests, copy-heavy and free text mixed, and the figure is all tokens over the wall time.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -64,7 +70,10 @@ COPY = [
     "Add type hints to this Python code. Output only the code.\n\n" + CODE,
     'Here is a JSON document. Change "city" to "Berlin" and output the whole document.\n\n' + DOCUMENT,
 ]
-MODEL = ["smollm2-135m-instruct"]  # the name requests give (kvserve checks it; llama-server takes any)
+# decode: a request's tokens after the first over the time since the first; end to end: all its tokens
+# over its whole time, the prefill's included
+KINDS = ("copy", "copy end to end", "free", "free end to end")
+MODEL = [""]  # the name requests give: kvserve's served name (it checks it; llama-server takes any)
 FREE = [
     "Write a short story about a robot who learns to paint.",
     "Explain how a rainbow forms, for a ten-year-old.",
@@ -74,8 +83,11 @@ FREE = [
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, extra: dict) -> dict:
+    # Every request starts cold, its prompt's KV cached nowhere: kvserve's prefix cache is salted apart for it,
+    # and llama-server's slot cache is off. Else whichever target asked second would skip its prefill.
+    cold = {"cache_salt": uuid.uuid4().hex} if "speculative" in extra else {"cache_prompt": False}
     body = {"model": MODEL[0], "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, **extra}
+            "stream": True, "stream_options": {"include_usage": True}, **extra, **cold}
     start, first, last, chunks, usage, text = time.perf_counter(), None, None, 0, None, []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
@@ -99,7 +111,7 @@ async def stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: i
 
 
 async def one_stream(targets: dict, rounds: int, max_tokens: int) -> dict:
-    rates: dict[str, dict[str, list[float]]] = {name: {"copy": [], "free": []} for name in targets}
+    rates: dict[str, dict[str, list[float]]] = {name: {k: [] for k in KINDS} for name in targets}
     same = []
     async with httpx.AsyncClient(timeout=600) as client:
         for _ in range(rounds):
@@ -111,15 +123,15 @@ async def one_stream(targets: dict, rounds: int, max_tokens: int) -> dict:
                         texts[name] = got["text"]
                         if got["decode_tok_s"] is not None:
                             rates[name][kind].append(got["decode_tok_s"])
+                        rates[name][f"{kind} end to end"].append(got["tokens"] / got["wall_s"])
                     same.append(texts["kvserve ngram"] == texts["kvserve off"])
     out = {name: {kind: round(statistics.median(v), 1) if v else None for kind, v in by.items()} for name, by in rates.items()}
     kv_on, kv_off = out["kvserve ngram"], out["kvserve off"]
-    ratios = {"copy: ngram / off": kv_on["copy"] / kv_off["copy"], "free: ngram / off": kv_on["free"] / kv_off["free"]}
+    ratios = {f"{kind}: ngram / off": kv_on[kind] / kv_off[kind] for kind in KINDS}
     for name in targets:
         if name.startswith("llama-server"):
-            ratios[f"copy: kvserve ngram / {name}"] = kv_on["copy"] / out[name]["copy"]
-            ratios[f"free: kvserve ngram / {name}"] = kv_on["free"] / out[name]["free"]
-    return {"decode_tok_s_median": out, "ratios": {k: round(v, 2) for k, v in ratios.items()},
+            ratios |= {f"{kind}: kvserve ngram / {name}": kv_on[kind] / out[name][kind] for kind in KINDS}
+    return {"tok_s_median": out, "ratios": {k: round(v, 2) for k, v in ratios.items()},
             "kvserve greedy text identical on/off": f"{sum(same)}/{len(same)}"}
 
 
@@ -145,14 +157,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--streams", default="1,32")
+    ap.add_argument("--widened-1b", action="store_true", help="SmolLM2 widened to a 1B's reads, Q4_K_M, on both sides")
     args = ap.parse_args()
-    gguf, MODEL[0] = args.gguf, args.model
+    if args.widened_1b:
+        from load_models import copying_model_file
+        args.model = args.gguf = str(copying_model_file("Q4_K_M"))
+    gguf = args.gguf
     if args.llama_server and gguf is None:
         from models.catalog import fetch
         gguf = str(fetch(args.model))
     result = {"model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens}
     with contextlib.ExitStack() as stack:
         kv = stack.enter_context(launched_server(args.model, ["--speculative", "ngram"]))
+        MODEL[0] = httpx.get(kv + "/v1/models").json()["data"][0]["id"]  # a file's name is its stem
         targets = {"kvserve ngram": (kv, {"speculative": True}), "kvserve off": (kv, {"speculative": False})}
         if args.llama_server:
             targets["llama-server"] = (stack.enter_context(llama_server(args.llama_server, gguf, [])), {})

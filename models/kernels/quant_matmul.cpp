@@ -16,8 +16,8 @@
 // batch 1 streaming the weights once near the read bandwidth, and in a batch re-reading each panel from
 // cache for every activation row. One kernel for every row count also means a row's output is bitwise
 // the same whatever shares its step. Where the CPU has AVX512-VNNI, the tile (panel_tile.h) runs with
-// vpdpwssd, a multiply-add and its accumulation in one instruction, and from a few rows on a wide tile
-// (wide_tile.h) does it on 512 bits, bitwise the same.
+// vpdpwssd, a multiply-add and its accumulation in one instruction, and where it has AVX-512 as well the
+// wide tiles (wide_tile.h) do it on 512 bits at every row count, bitwise the same.
 // The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
 // was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
 // docs/performance.md), each block's products are summed in int32, then scaled in f32.
@@ -46,9 +46,9 @@ constexpr int64_t ROWS = 3;          // activation rows per tile
 constexpr int64_t GROUP = 2;         // panels per tile
 constexpr int64_t ROW_CHUNK = 128;   // activation rows kept in L2 while a thread walks its panels
 constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass tile prefetches
-// Where the CPU has AVX512-VNNI, from this many rows on the wide tiles (wide_tile.h) run, twice the
-// multiply-adds an instruction; with fewer, a step streams the weight and is bound by the read bandwidth.
-constexpr int64_t WIDE_FROM_ROWS = 3;
+// Where the CPU has AVX-512 with VNNI, the wide tiles (wide_tile.h) run at every row count: twice the
+// multiply-adds an instruction, and half the instructions to unpack a panel's bytes, which a one-row
+// step's stream of weights also spends less time on. The 256-bit panel tiles serve the other CPUs.
 // Below this many rows each tile of rows unpacks the panels' pairs in registers as it goes; from it they
 // are unpacked once into memory for all the rows (writing and reading them back cost more than a few
 // tiles' unpacking).
@@ -184,7 +184,7 @@ template <class F>
 void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out, int64_t ldo) {
   using U = typename F::Batch;
   const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * panel_bytes<F>(nb);
-  if (M >= WIDE_FROM_ROWS && has_wide())
+  if (has_wide())
     return M < UNPACK_WIDE_FROM ? wide::packed_wide_linear<F>(x, M, K, N, panels, out, ldo)
                                 : wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
   const bool use_vnni = has_vnni();

@@ -5,11 +5,12 @@
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. With many rows the panels' bytes are unpacked once per
 // chunk of rows into a layout the inner loop reads whole (two panels side by side, each k pair of 16
-// features one vector), so that loop is loads and vpdpwssd alone. With a few (a handful of streams, or
+// features one vector), so that loop is loads and vpdpwssd alone. With a few (one stream, a handful, or
 // one stream's drafted tokens) that unpacking was a third of the step: there each tile of up to 8 rows
-// unpacks the same vectors from the panels in registers (wide_pairs). Each output lane gets the same float
-// operations in the same order as in panel_tile.h (the integer sums are exact), so a row's outputs are
-// bitwise the same on every path: a row never depends on how many rows share its step.
+// unpacks the same vectors from the panels in registers (wide_pairs), two panels an instruction, and
+// prefetches the next groups, since such a step streams its weights from memory. Each output lane gets
+// the same float operations in the same order as in panel_tile.h (the integer sums are exact), so a row's
+// outputs are bitwise the same on every path: a row never depends on how many rows share its step.
 
 // A block of QKB weights: its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes, then 16 float scales
 // and 16 float mins.
@@ -158,16 +159,28 @@ void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const flo
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     const int32_t* xb[R];  // each row's block as k pairs
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
-    __m512i sum[R];
+    // With one row a block's sum would be one chain of qk/2 dependent multiply-adds, paced by their latency
+    // below the read bandwidth: there even and odd chunks' low and high pairs go to four sums (exact, as
+    // integer sums do not depend on how they are split), as in panel_tile.h.
+    constexpr int CHAINS = R == 1 ? 4 : 1;
+    __m512i sum[R], part[CHAINS];
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+    for (int h = 0; h < CHAINS; ++h) part[h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int64_t j = 0; j < F::qk / 4; ++j) {
       __m512i lo, hi;
       wide_pairs<F>(p0, p1, j, lo, hi);
-      for (int r = 0; r < R; ++r)
-        sum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r], lo, _mm512_set1_epi32(xb[r][2 * j])), hi,
-                                     _mm512_set1_epi32(xb[r][2 * j + 1]));
+      if constexpr (CHAINS == 4) {
+        part[2 * (j & 1)] = _mm512_dpwssd_epi32(part[2 * (j & 1)], lo, _mm512_set1_epi32(xb[0][2 * j]));
+        part[2 * (j & 1) + 1] = _mm512_dpwssd_epi32(part[2 * (j & 1) + 1], hi, _mm512_set1_epi32(xb[0][2 * j + 1]));
+      } else {
+        for (int r = 0; r < R; ++r)
+          sum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r], lo, _mm512_set1_epi32(xb[r][2 * j])), hi,
+                                       _mm512_set1_epi32(xb[r][2 * j + 1]));
+      }
     }
+    if constexpr (CHAINS == 4)
+      sum[0] = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]), _mm512_add_epi32(part[2], part[3]));
     const __m512 dw = join(F::scales(q, b), F::scales(q1, b)), mw = join(F::mins(q, b), F::mins(q1, b));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);

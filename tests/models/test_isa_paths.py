@@ -52,9 +52,9 @@ def on_haswell(script: str, *args: str) -> None:
 
 
 def test_the_avx2_path_gives_the_same_bits_as_this_cpus(tmp_path):
-    """Each format at 1 row (the one-row tile), 3 (a full tile on AVX2; on VNNI a wide tile unpacking in
-    registers), 8 and 17 (wide tiles on VNNI, unpacked panels on AVX2), and its rows as an embedding reads
-    them."""
+    """Each format at 1 row (the one-row tile on AVX2; on AVX-512 a wide tile of four sums), 3 (a full tile
+    on AVX2; on AVX-512 one unpacking in registers), 8 and 17 (wide tiles on VNNI, unpacked panels on
+    AVX2), and its rows as an embedding reads them."""
     rng = np.random.default_rng(5)
     inputs = {}
     for gguf_type in sorted(FORMATS):

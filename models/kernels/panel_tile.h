@@ -1,12 +1,12 @@
-// The panel tile of quant_matmul.cpp, included there twice: for AVX2, and for CPUs with AVX512-VNNI,
-// where one vpdpwssd does a multiply-add and its accumulation (KVSERVE_DOT2 says which). The integer sums
-// are exact either way, so both give bitwise the same outputs. The includer defines the formats, GROUP,
-// PANEL, TileFn and panel_bytes, and wraps this in a namespace of its own.
+// The panel tile of quant_matmul.cpp, for CPUs without AVX-512 (those with it run wide_tile.h, bitwise
+// the same: the integer sums are exact). The includer defines the formats, GROUP, PANEL, TileFn,
+// panel_bytes and prefetch_share, and wraps this in a namespace of its own.
 
-// KVSERVE_DOT2(sum, lo, x0, hi, x1): sum + lo . x0 + hi . x1, in int32 lanes; KVSERVE_DOT1 one of them.
-#if !defined(KVSERVE_DOT2) || !defined(KVSERVE_DOT1)
-#error "define KVSERVE_DOT1 and KVSERVE_DOT2 before including panel_tile.h"
-#endif
+// sum + lo . x0 + hi . x1, in int32 lanes (vpmaddwd: 16 multiply-adds, pairwise summed); dot1 one of them.
+inline __m256i dot2(__m256i sum, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  return _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)));
+}
+inline __m256i dot1(__m256i sum, __m256i lo, __m256i x0) { return _mm256_add_epi32(sum, _mm256_madd_epi16(lo, x0)); }
 
 // out[r][0..8 * GROUP) for R activation rows by the GROUP panels from q (each nb blocks): per block, R x
 // GROUP int32 sums over its 16 k pairs, then acc += float(sum) * (d_w * d_x) (+ m_w * s_x). `ahead`, if
@@ -21,11 +21,9 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const int64_t next = panel_bytes<F>(nb);  // from one panel to the next
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr)  // a block's share of the group's bytes
-      for (int64_t at = b * C * F::bytes / F::sub; at < (b + 1) * C * F::bytes / F::sub; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
-    // With one row, each sum would be a chain of 2 qk/4 dependent multiply-adds, which a vpdpwssd's
-    // latency paces below the read bandwidth: there the low and high pairs of even and odd chunks go to
+    if (ahead != nullptr) prefetch_share<F>(ahead, b);
+    // With one row, each sum would be a chain of 2 qk/4 dependent multiply-adds, which their latency
+    // paces below the read bandwidth: there the low and high pairs of even and odd chunks go to
     // four sums, added at the end (exact: integer sums do not depend on how they are split).
     constexpr int CHAINS = R == 1 ? 4 : 1;
     __m256i sum[R][C], part[CHAINS][C];
@@ -47,10 +45,10 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
           const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
           for (int c = 0; c < C; ++c) {
             if constexpr (CHAINS == 4) {
-              part[2 * odd][c] = KVSERVE_DOT1(part[2 * odd][c], lo[c], x0);
-              part[2 * odd + 1][c] = KVSERVE_DOT1(part[2 * odd + 1][c], hi[c], x1);
+              part[2 * odd][c] = dot1(part[2 * odd][c], lo[c], x0);
+              part[2 * odd + 1][c] = dot1(part[2 * odd + 1][c], hi[c], x1);
             } else {
-              sum[r][c] = KVSERVE_DOT2(sum[r][c], lo[c], x0, hi[c], x1);
+              sum[r][c] = dot2(sum[r][c], lo[c], x0, hi[c], x1);
             }
           }
         }

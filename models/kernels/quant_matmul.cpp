@@ -15,9 +15,9 @@
 // whole. The panels hold the same bytes per weight as the row blocks, so one copy serves both loads: at
 // batch 1 streaming the weights once near the read bandwidth, and in a batch re-reading each panel from
 // cache for every activation row. One kernel for every row count also means a row's output is bitwise
-// the same whatever shares its step. Where the CPU has AVX512-VNNI, the tile (panel_tile.h) runs with
-// vpdpwssd, a multiply-add and its accumulation in one instruction, and where it has AVX-512 as well the
-// wide tiles (wide_tile.h) do it on 512 bits at every row count, bitwise the same.
+// the same whatever shares its step. Where the CPU has AVX-512 with VNNI, the wide tiles (wide_tile.h)
+// run instead at every row count: vpdpwssd, a multiply-add and its accumulation in one instruction, on
+// 512 bits, bitwise the same.
 // The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
 // was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
 // docs/performance.md), each block's products are summed in int32, then scaled in f32.
@@ -133,25 +133,16 @@ inline void unpack_bytes(const uint8_t* q, int64_t nb, uint8_t* to) {
 using TileFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t,
                         int64_t, const uint8_t*);
 
-namespace avx2 {
-#define KVSERVE_DOT2(sum, lo, x0, hi, x1) \
-  _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)))
-#define KVSERVE_DOT1(sum, lo, x0) _mm256_add_epi32(sum, _mm256_madd_epi16(lo, x0))
-#include "panel_tile.h"
-#undef KVSERVE_DOT2
-#undef KVSERVE_DOT1
-}  // namespace avx2
+// Prefetch block b's share of the GROUP panels of F at `ahead`: over a tile's blocks, the group it reads next.
+template <class F>
+inline void prefetch_share(const uint8_t* ahead, int64_t b) {
+  for (int64_t at = b * GROUP * F::bytes / F::sub; at < (b + 1) * GROUP * F::bytes / F::sub; at += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+}
 
-#pragma GCC push_options
-#pragma GCC target("avx512vnni,avx512vl")
-namespace vnni {
-#define KVSERVE_DOT2(sum, lo, x0, hi, x1) _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(sum, lo, x0), hi, x1)
-#define KVSERVE_DOT1(sum, lo, x0) _mm256_dpwssd_epi32(sum, lo, x0)
+namespace avx2 {
 #include "panel_tile.h"
-#undef KVSERVE_DOT2
-#undef KVSERVE_DOT1
-}  // namespace vnni
-#pragma GCC pop_options
+}  // namespace avx2
 
 int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL) * GROUP; }
 
@@ -162,19 +153,12 @@ namespace wide {
 }  // namespace wide
 #pragma GCC pop_options
 
-// Facts of the CPU, read once: which tiles run.
-bool has_vnni() {
-  static const bool vnni = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
-  }();
-  return vnni;
-}
-
+// A fact of the CPU, read once: whether the wide tiles run.
 bool has_wide() {
   static const bool wide = [] {
     __builtin_cpu_init();
-    return has_vnni() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
   }();
   return wide;
 }
@@ -187,9 +171,8 @@ void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const
   if (has_wide())
     return M < UNPACK_WIDE_FROM ? wide::packed_wide_linear<F>(x, M, K, N, panels, out, ldo)
                                 : wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
-  const bool use_vnni = has_vnni();
-  const TileFn* packed_tiles = use_vnni ? vnni::tiles<F> : avx2::tiles<F>;
-  const TileFn* unpacked_tiles = use_vnni ? vnni::tiles<U> : avx2::tiles<U>;
+  const TileFn* packed_tiles = avx2::tiles<F>;
+  const TileFn* unpacked_tiles = avx2::tiles<U>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
     if (F::unpack_from && M >= F::unpack_from) unpacked.resize(GROUP * nb * U::bytes);

@@ -1,6 +1,6 @@
 // The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
 // to int16, 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
-// the includer defines the panel formats, GROUP, PANEL, panel_bytes and QuantizedRows.
+// the includer defines the panel formats, GROUP, PANEL, panel_bytes, prefetch_share and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. With many rows the panels' bytes are unpacked once per
@@ -153,9 +153,7 @@ void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const flo
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr)  // a block's share of the group's bytes
-      for (int64_t at = b * GROUP * F::bytes / F::sub; at < (b + 1) * GROUP * F::bytes / F::sub; at += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + at), _MM_HINT_T0);
+    if (ahead != nullptr) prefetch_share<F>(ahead, b);
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     const int32_t* xb[R];  // each row's block as k pairs
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);

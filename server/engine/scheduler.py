@@ -89,6 +89,7 @@ class Scheduler:
         decodes = [r for r in self.running if len(r.session.pending) == 1]
         prefills = [r for r in self.running if len(r.session.pending) > 1]
         spare = max(0, self.config.speculation.max_rows - len(decodes))  # rows drafts may add: few while few decode
+        row_cost = self.row_costs.row_cost() if spare else None
         # Prefill beside decodes lengthens the step every decoding stream waits on: it may have a smaller share.
         prefill_left = (self.config.mixed_prefill_tokens if decodes else None) or tokens_left
         for req in decodes + prefills:
@@ -100,7 +101,7 @@ class Scheduler:
             n = min(len(req.session.pending), tokens_left if decoding else min(tokens_left, prefill_left))
             if n == 0:
                 break  # the prefill share is spent, and only prefills are left
-            drafts = req.draft(min(spare, tokens_left - n), self.row_costs.row_cost()) if decoding and spare else ()
+            drafts = req.draft(min(spare, tokens_left - n), row_cost) if decoding and spare else ()
             need = req.session.cache.pool_demand(n + len(drafts))
             fits, planned = self._make_room(req, need, planned, protect={c.request_id for c in chunks})
             if fits:

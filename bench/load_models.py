@@ -30,7 +30,7 @@ from llama_server import build, tool  # noqa: E402
 
 from models.catalog import cache_dir, fetch  # noqa: E402
 from server.local import free_port  # noqa: E402
-from tests.models.gguf_files import write_llama_gguf  # noqa: E402
+from tests.models.gguf_files import llama_writer, write_llama_gguf  # noqa: E402
 
 SHAPES = {  # Llama-3.2's
     "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn=8192),
@@ -62,16 +62,20 @@ def model_file(size: str, fmt: str) -> Path:
     if fmt == "F16":
         return f16
     out = folder / f"llama-{size}-random-{fmt}.gguf"
-    if not out.is_file():
-        subprocess.run([str(tool("llama-quantize")), str(f16), str(out.with_suffix(".tmp")), fmt, "2"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out.with_suffix(".tmp").rename(out)
-    return out
+    return out if out.is_file() else quantized(f16, out, fmt)
 
 
 # SmolLM2-135M's 30 layers at Llama-3.2-1B's width and heads: each layer's FFN cut so that a token reads
 # as many weights as Llama-3.2-1B's 16 layers do (30 x 32.5M = 16 x 60.8M)
 WIDENED = dict(dim=2048, n_heads=32, n_kv_heads=8, ffn=3584)
+
+
+def quantized(f16: Path, out: Path, fmt: str) -> Path:
+    """`f16` as `fmt` at `out`, by llama.cpp's llama-quantize (written whole, then renamed)."""
+    subprocess.run([str(tool("llama-quantize")), str(f16), str(out.with_suffix(".tmp")), fmt, "2"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out.with_suffix(".tmp").rename(out)
+    return out
 
 
 def copying_model_file(fmt: str) -> Path:
@@ -87,37 +91,23 @@ def copying_model_file(fmt: str) -> Path:
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(fetch("smollm2-135m-instruct")))
-    field = {name: f.contents() for name, f in reader.fields.items() if not name.startswith("tokenizer.")}
-    dim, heads, kv_heads, ffn = (field[f"llama.{k}"] for k in ("embedding_length", "attention.head_count",
-                                                              "attention.head_count_kv", "feed_forward_length"))
-    head_dim, group, W = dim // heads, heads // kv_heads, WIDENED
-    new_group = W["n_heads"] // W["n_kv_heads"]
+    source = fetch("smollm2-135m-instruct")
+    reader = gguf.GGUFReader(str(source))
+    field = {name: f.contents() for name, f in reader.fields.items() if name.startswith("llama.")}
+    dim, heads, kv_heads = (field[f"llama.{k}"] for k in ("embedding_length", "attention.head_count", "attention.head_count_kv"))
+    W, head_dim, group = WIDENED, dim // heads, heads // kv_heads
     share = dim / W["dim"]
     f16 = out.with_name(out.stem + ".F16.tmp")
-    writer = gguf.GGUFWriter(str(f16), "llama")
-    writer.add_name(out.stem)
-    writer.add_block_count(field["llama.block_count"])
-    writer.add_context_length(field["llama.context_length"])
-    writer.add_embedding_length(W["dim"])
-    writer.add_feed_forward_length(W["ffn"])
-    writer.add_head_count(W["n_heads"])
-    writer.add_head_count_kv(W["n_kv_heads"])
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(field["llama.rope.freq_base"])
-    writer.add_layer_norm_rms_eps(field["llama.attention.layer_norm_rms_epsilon"] * share)
-    writer.add_vocab_size(field["llama.vocab_size"])
-    for name, f in reader.fields.items():
-        if name.startswith("tokenizer."):
-            writer.add_key_value(name, f.contents(), f.types[0], f.types[1] if len(f.types) > 1 else None)
+    writer, _ = llama_writer(f16, source, n_layers=field["llama.block_count"], context=field["llama.context_length"],
+                             rope_base=field["llama.rope.freq_base"],
+                             rms_eps=field["llama.attention.layer_norm_rms_epsilon"] * share, name=out.stem, **W)
+    # q head h goes where its key-value group sits in the wider grouping; key-value heads keep their places
+    q_at = [h // group * (W["n_heads"] // W["n_kv_heads"]) + h % group for h in range(heads)]
 
-    def heads_at(n_old: int, old_group: int) -> list[int]:  # where each old head's rows go, groups kept
-        return [(h // old_group) * (new_group if old_group == group else 1) + h % old_group for h in range(n_old)]
-
-    def rows_of(a: np.ndarray, to: list[int], n_new: int) -> np.ndarray:  # head blocks of rows placed
-        wide = np.zeros((n_new * head_dim, a.shape[1]), np.float32)
-        for old, new in enumerate(to):
-            wide[new * head_dim:(new + 1) * head_dim] = a[old * head_dim:(old + 1) * head_dim]
+    def heads_placed(a: np.ndarray, at: list[int], n_new: int, cols: int) -> np.ndarray:  # head blocks of rows
+        wide = np.zeros((n_new * head_dim, cols), np.float32)
+        for old, new in enumerate(at):
+            wide[new * head_dim:(new + 1) * head_dim, : a.shape[1]] = a[old * head_dim:(old + 1) * head_dim]
         return wide
 
     def padded(a: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -125,19 +115,17 @@ def copying_model_file(fmt: str) -> Path:
         wide[: a.shape[0], : a.shape[1]] = a
         return wide
 
-    q_heads, kv_heads_at = heads_at(heads, group), heads_at(kv_heads, 1)
     for t in reader.tensors:
         a = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         kind = t.name.split(".")[-2]
         if a.ndim == 1:  # a norm's weights
-            wide = np.zeros(W["dim"], np.float32)
-            wide[:dim] = a * share ** 0.5
+            wide = padded(a[None] * share ** 0.5, 1, W["dim"])[0]
         elif kind == "attn_q":
-            wide = padded(rows_of(a, q_heads, W["n_heads"]), W["n_heads"] * head_dim, W["dim"])
+            wide = heads_placed(a, q_at, W["n_heads"], W["dim"])
         elif kind in ("attn_k", "attn_v"):
-            wide = padded(rows_of(a, kv_heads_at, W["n_kv_heads"]), W["n_kv_heads"] * head_dim, W["dim"])
-        elif kind == "attn_output":
-            wide = padded(rows_of(a.T, q_heads, W["n_heads"]).T, W["dim"], W["n_heads"] * head_dim)
+            wide = heads_placed(a, list(range(kv_heads)), W["n_kv_heads"], W["dim"])
+        elif kind == "attn_output":  # its columns are the q heads'
+            wide = padded(heads_placed(a.T, q_at, W["n_heads"], dim).T, W["dim"], W["n_heads"] * head_dim)
         elif kind in ("ffn_gate", "ffn_up"):
             wide = padded(a, W["ffn"], W["dim"])
         elif kind == "ffn_down":
@@ -150,11 +138,8 @@ def copying_model_file(fmt: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     if fmt == "F16":
-        f16.rename(out)
-        return out
-    subprocess.run([str(tool("llama-quantize")), str(f16), str(out.with_suffix(".tmp")), fmt, "2"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out.with_suffix(".tmp").rename(out)
+        return f16.rename(out)
+    quantized(f16, out, fmt)
     f16.unlink()
     return out
 

@@ -44,6 +44,34 @@ def matrix(gguf_type: str, rows: int, k: int, rng: np.random.Generator) -> np.nd
     return random_blocks(gguf_type, rows, k, rng)
 
 
+def llama_writer(path: Path, tokenizer_gguf: Path, *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn: int,
+                 context: int, rope_base: float = 100000.0, rms_eps: float = 1e-5, name: str | None = None) -> tuple:
+    """A gguf-py writer at `path` holding a Llama's shape and SmolLM2's tokenizer (copied from
+    `tokenizer_gguf`), named `name` (the file's stem by default), for its tensors to be added; and the
+    tokenizer's vocabulary size."""
+    import gguf
+
+    source = gguf.GGUFReader(str(tokenizer_gguf))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(name or path.stem)
+    writer.add_block_count(n_layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv_heads)
+    writer.add_rope_dimension_count(dim // n_heads)
+    writer.add_rope_freq_base(rope_base)
+    writer.add_layer_norm_rms_eps(rms_eps)
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_vocab_size(vocab)
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    return writer, vocab
+
+
 def write_llama_gguf(path: Path, tokenizer_gguf: Path, *, dim: int, n_layers: int, n_heads: int, n_kv_heads: int,
                      ffn: int, types: dict[str, str] | str, seed: int = 0, tied: bool = True, context: int = 2048) -> Path:
     """A Llama GGUF with SmolLM2's tokenizer (copied from `tokenizer_gguf`). `types`: one GGUF type for
@@ -51,25 +79,9 @@ def write_llama_gguf(path: Path, tokenizer_gguf: Path, *, dim: int, n_layers: in
     import gguf
 
     rng = np.random.default_rng(seed)
-    source = gguf.GGUFReader(str(tokenizer_gguf))
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
     head_dim = dim // n_heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name(path.stem)
-    writer.add_block_count(n_layers)
-    writer.add_context_length(context)
-    writer.add_embedding_length(dim)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(n_heads)
-    writer.add_head_count_kv(n_kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(100000.0)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(vocab)
-    for name, field in source.fields.items():
-        if name.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub)
+    writer, vocab = llama_writer(path, tokenizer_gguf, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                                 ffn=ffn, context=context)
 
     def kind_type(kind: str) -> str:
         return types if isinstance(types, str) else types.get(kind, types["*"])

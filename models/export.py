@@ -27,8 +27,8 @@ from .config import ModelConfig
 from .errors import ModelLoadError
 from .fused import use_native_modules
 from .llama import Transformer
-from .quant import (WEIGHT_MODES, EmbeddingBlocks, EmbeddingFloat, LinearBlocks, convert_linears, held_types,
-                    model_kernels_available)
+from .quant import (ACTIVATIONS, WEIGHT_MODES, EmbeddingBlocks, EmbeddingFloat, LinearBlocks, convert_linears, held_types,
+                    model_kernels_available, quantize_activations)
 from .stored import StoredTensor
 from .weight_memory import read_safetensors
 from .tokenizer import TextTokenizer
@@ -57,6 +57,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     weights: str = "f32"
+    activations: str = "int16"  # how block-format products quantize their activations (quant.ACTIVATIONS)
     fingerprint: str = ""  # a hash of the artifact's program, weights, config and tokenizer: what its KV depends on
     held: tuple[tuple[str, int], ...] = ()  # tensors by type, as held: (("Q4_K", 97), ("F32", 33), ...)
     held_bytes: int = 0  # the weights' bytes in memory
@@ -116,12 +117,17 @@ def _is_blocks(w: Weight) -> bool:
     return all(isinstance(p, StoredTensor) and not p.is_float for p in parts)
 
 
-def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, weights: str = "f32") -> Transformer:
+def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, weights: str = "f32",
+                activations: str = "int16") -> Transformer:
     """Construct on the meta device, then assign the loaded weights (no double allocation). In the stored
     mode a file's block-format matrices become panels of their own format, chunk by chunk; float ones keep
     their dtype. Other modes read every weight as float32 first."""
     if weights not in WEIGHT_MODES:
         raise ModelLoadError(f"unsupported weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
+    if activations not in ACTIVATIONS:
+        raise ModelLoadError(f"unsupported activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if activations != "int16" and weights in ("f32", "f16"):
+        raise ModelLoadError(f"{activations} activations are for block-format weights; {weights} weights multiply in float")
     stored = weights == "stored" and dtype == torch.float32
     state = fuse_projections(state, config)
     with torch.device("meta"):
@@ -146,6 +152,7 @@ def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtyp
         model.embed_tokens = EmbeddingFloat(model.embed_tokens.weight)
     model.reset_constants()
     convert_linears(model, weights if dtype == torch.float32 or weights != "stored" else "f32")
+    quantize_activations(model, activations)
     model.held = held_types(model)
     model.held_bytes = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.state_dict().values()}.values())
     # f32 stays the plain-torch reference, but for its linears; the others use the native ops if they build
@@ -212,7 +219,8 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
 
 
 def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str,
-                  weights: str = "f32", held: tuple[tuple[str, int], ...] = (), held_bytes: int = 0) -> None:
+                  weights: str = "f32", held: tuple[tuple[str, int], ...] = (), held_bytes: int = 0,
+                  activations: str = "int16") -> None:
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
@@ -235,6 +243,7 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
     specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
     hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
     meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
+            "activations": activations,
             "aliases": aliases, "sha256": hashes, "held": [list(h) for h in held], "held_bytes": held_bytes, **specs}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():
@@ -291,6 +300,7 @@ def load_artifact(folder: Path, trusted: bool = False, compiled: bool = True) ->
         name=meta["name"],
         dtype=getattr(torch, meta["dtype"]),
         weights=meta.get("weights", "f32"),
+        activations=meta.get("activations", "int16"),
         fingerprint=fingerprint(folder, hashes),
         held=tuple((str(t), int(n)) for t, n in meta.get("held", [])),
         held_bytes=int(meta.get("held_bytes", 0)),

@@ -50,27 +50,28 @@ def read_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
     return read_hf(path, dtype, progress)
 
 
-def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False, weights: str = "f32"):
+def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False, weights: str = "f32",
+                      activations: str = "int16"):
     """-> (exported program, config, tokenizer, (held types, held bytes)) for a .gguf file or HF folder."""
     config, state, tokenizer = read_checkpoint(path, dtype, progress)
     if weights in REQUANTIZE or (weights in ("f16", "f32") and path.is_file()):
         print(f"{path.name}: converting every weight to {weights}, as --weights asks (auto serves them as stored)", file=sys.stderr)
     with tqdm(total=2, desc="exporting", disable=not progress, unit="stage") as bar:
-        model = build_model(config, state, dtype, weights)
+        model = build_model(config, state, dtype, weights, activations)
         bar.update()
         program = export_program(model)
         bar.update()
     return program, config, tokenizer, (model.held, model.held_bytes)
 
 
-def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
-    """Changes whenever the checkpoint, the dtype or the model code changes."""
+def _source_key(path: Path, dtype: torch.dtype, weights: str, activations: str) -> str:
+    """Changes whenever the checkpoint, the dtype, the weight mode, the activations or the model code changes."""
     h = hashlib.sha256()
     for p in sorted(path.rglob("*")) if path.is_dir() else [path]:
         if p.is_file():
             st = p.stat()
             h.update(f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    h.update(f"{dtype}|{weights}".encode())
+    h.update(f"{dtype}|{weights}|{activations}".encode())
     code = Path(__file__).parent
     for source in sorted(code.glob("*.py")) + sorted(code.glob("kernels/*.cpp")) + sorted(code.glob("kernels/*.h")):
         h.update(source.read_bytes())
@@ -79,7 +80,7 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str) -> str:
 
 
 def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32",
-               trust_artifact: bool = False, compiled: bool = True) -> LoadedModel:
+               trust_artifact: bool = False, compiled: bool = True, activations: str = "int16") -> LoadedModel:
     """Load an artifact as is (its program only if kvserve exported it, or `trust_artifact`); export a
     checkpoint once and keep the artifact in the cache folder. With `compiled`, an artifact's compiled
     package runs where it has one (models/compiled_program.py)."""
@@ -90,19 +91,21 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     if path.is_dir() and is_artifact(path):
         return load_artifact(path, trusted=trust_artifact, compiled=compiled)
     torch_dtype = DTYPES[dtype]
-    cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights)
+    cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights, activations)
     if use_cache and is_artifact(cached):
         try:  # named as asked now: the cached export may have been made under another name for the same file
             return dataclasses.replace(load_artifact(cached, compiled=compiled), name=spec)
         except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
             print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()
-    program, config, tokenizer, held = export_checkpoint(path, torch_dtype, progress, weights)
+    program, config, tokenizer, held = export_checkpoint(path, torch_dtype, progress, weights, activations)
     if use_cache:
-        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0], held_bytes=held[1])
+        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0], held_bytes=held[1],
+                      activations=activations)
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
     forward = Program(export_mod.runnable_module(program))
     return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights,
+                       activations=activations,
                        fingerprint=export_mod.fingerprint(cached) if use_cache else "", held=held[0], held_bytes=held[1],
                        folder=cached if use_cache else None)

@@ -2,7 +2,8 @@
 
     stored  (--weights auto) every weight as its file stores it: a GGUF's block formats as panels
             (formats/), each multiplied by its own kernel of kernels/quant_matmul.cpp
-            (kvserve_native::linear_blocks, int16 activations); float weights by the float kernels
+            (kvserve_native::linear_blocks, int16 activations, or int8 under --activations int8);
+            float weights by the float kernels
     f32     float32 weights, kernels/linear_f32.cpp (kvserve_native::linear_f32), whose every output
             sums in one order whatever the batch (nn.Linear's BLAS does not); the reference
     f16     float16 weights, fbgemm's fp16 x fp32 matmul (kvserve::linear_f16)
@@ -28,11 +29,15 @@ from kvcache.native import NativeUnavailable, load_native
 from .block_quant import BLOCK, to_panels
 from .errors import ModelLoadError
 from .formats import FLOAT_TYPES, FORMATS
-from .formats.panels import KINDS, PANEL, PANEL_GROUP, panel_count
+from .formats.panels import INT8_ACTIVATIONS, KINDS, PANEL, PANEL_GROUP, panel_count
 from .stored import StoredTensor
 from .weight_memory import empty_weight
 
 WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
+# How block-format products quantize their activations, per block of 32 (16 for Q6_K): int16 keeps greedy
+# tokens the float model's; int8 is llama.cpp's precision, at twice the multiply-adds an instruction (the
+# batched and prefill steps, which the multiply-adds bound, run faster).
+ACTIVATIONS = ("int16", "int8")
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
 FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}  # torch.float16 -> "F16"
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp",
@@ -241,6 +246,14 @@ def _float_module(linear: nn.Linear) -> nn.Module:
     """A float weight as it is: float32, float16 or bfloat16."""
     kind = {torch.float16: LinearF16, torch.bfloat16: LinearBF16}.get(linear.weight.dtype, LinearF32)
     return kind(linear)
+
+
+def quantize_activations(model: nn.Module, activations: str) -> None:
+    """Every block-format product of the model quantizes its activations as `activations` says."""
+    if activations == "int8":
+        for module in model.modules():
+            if isinstance(module, LinearBlocks):
+                module.kind_ids = tuple(k | INT8_ACTIVATIONS for k in module.kind_ids)
 
 
 def convert_linears(model: nn.Module, weights: str) -> nn.Module:

@@ -23,7 +23,7 @@ log = logging.getLogger("kvserve")
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from models.catalog import DEFAULT_MODEL, DEFAULT_WEIGHTS
-    from models.quant import WEIGHT_MODES
+    from models.quant import ACTIVATIONS, WEIGHT_MODES
 
     p.add_argument("--model", default=DEFAULT_MODEL, help="named model, .gguf file, HF folder or exported artifact folder")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation dtype")
@@ -31,6 +31,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: every weight as its file stores it (GGUF's block formats, F16, BF16, F32), each with its own "
                         "AVX2 kernel; where the kernels cannot build, f16. Requantizing only when asked: f32 (the exact "
                         "reference), f16, q4 (Q4_1), q4_0, q8_0")
+    p.add_argument("--activations", default=ACTIVATIONS[0], choices=ACTIVATIONS,
+                   help="how block-format products quantize their activations: int16 keeps greedy tokens the float "
+                        "model's; int8, llama.cpp's precision, runs batched and prefill steps faster")
     p.add_argument("--trust-artifact", action="store_true",
                    help="run an artifact folder's program.py although kvserve did not export it here (it is code)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -173,9 +176,10 @@ def cmd_export(args) -> int:
 
     start = time.time()
     weights = resolve_weights(args.weights)
-    program, config, tokenizer, held = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=weights)
+    program, config, tokenizer, held = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=weights,
+                                                         activations=args.activations)
     save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=weights,
-                  held=held[0], held_bytes=held[1])
+                  held=held[0], held_bytes=held[1], activations=args.activations)
     print(f"exported {args.model} to {args.out} in {time.time() - start:.1f}s", file=sys.stderr)
     return 0
 
@@ -191,7 +195,7 @@ def cmd_generate(args) -> int:
 
     worker = model_thread()
     model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
-                          trust_artifact=args.trust_artifact).result()
+                          trust_artifact=args.trust_artifact, activations=args.activations).result()
     tok = model.tokenizer
     chat = not args.raw and tok.meta.chat_template is not None
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.prompt}]), add_special=False) if chat else tok.encode(args.prompt)
@@ -228,7 +232,8 @@ def cmd_serve(args) -> int:
     start = time.time()
     worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own
     model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
-                          trust_artifact=args.trust_artifact, compiled=not args.enforce_eager).result()
+                          trust_artifact=args.trust_artifact, compiled=not args.enforce_eager,
+                          activations=args.activations).result()
     names = parse_names(args.served_model_name or ())
     name = names[0] if names else (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
@@ -239,8 +244,9 @@ def cmd_serve(args) -> int:
                                  allowed_origins=origin_list(args.allowed_origins or ()), host=args.host,
                                  allowed_hosts=origin_list(args.allowed_hosts or ()), admin_key=args.admin_key)
     app = create_app(engine, server_config, frozenset(args.api_key or ()))
-    log.info("loaded model %s (%s, %d layers, context %d; weights %s: %s) in %.1fs", name, model.config.architecture,
-             model.config.n_layers, model.config.max_context, model.weights, model.held_text(), time.time() - start)
+    log.info("loaded model %s (%s, %d layers, context %d; weights %s: %s; %s activations) in %.1fs", name,
+             model.config.architecture, model.config.n_layers, model.config.max_context, model.weights, model.held_text(),
+             model.activations, time.time() - start)
     if not args.enforce_eager and model.folder is not None and not model.forward.compiled:
         compile_in_background(model.forward, model.folder)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, header_timeout=server_config.header_timeout,

@@ -89,6 +89,9 @@ KINDS = {k.name: k for k in (
     PanelKind("q6_k", 5, 16, "nibbles6", True, ("i8",), ("f16",), 16),  # Q6_K (q - 32): sc; d
 )}
 
+# Or'ed into a kind's id: its product quantizes the activations to int8 (llama.cpp's precision; int16 else).
+INT8_ACTIVATIONS = 16
+
 
 def panel_count(n: int) -> int:
     return -(-n // (PANEL * PANEL_GROUP)) * PANEL_GROUP

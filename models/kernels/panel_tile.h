@@ -8,23 +8,32 @@ inline __m256i dot2(__m256i sum, __m256i lo, __m256i x0, __m256i hi, __m256i x1)
 }
 inline __m256i dot1(__m256i sum, __m256i lo, __m256i x0) { return _mm256_add_epi32(sum, _mm256_madd_epi16(lo, x0)); }
 
-// out[r][0..8 * GROUP) for R activation rows by the GROUP panels from q (each nb blocks): per block, R x
-// GROUP int32 sums over its 16 k pairs, then acc += float(sum) * (d_w * d_x) (+ m_w * s_x). `ahead`, if
-// not null, is prefetched over the blocks: the weight this thread reads next, when the tile is its one
-// pass over these panels.
-template <class F, int R>
-inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+// sum + the 32 products of a chunk's k quads w (bytes) and a row's quad x (int8) (vpmaddubsw: pairwise int16
+// sums, which never saturate for these quants, then vpmaddwd by ones); signed quads move their signs onto x.
+template <bool SIGNED>
+inline __m256i dot4(__m256i sum, __m256i w, __m256i x) {
+  const __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)) : _mm256_maddubs_epi16(w, x);
+  return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// out[r][0..8 * GROUP) for R activation rows (int16 or int8, X) by the GROUP panels from q (each nb blocks):
+// per block, R x GROUP int32 sums over its k pairs (or quads), then acc += float(sum) * (d_w * d_x)
+// (+ m_w * s_x). `ahead`, if not null, is prefetched over the blocks: the weight this thread reads next,
+// when the tile is its one pass over these panels.
+template <class F, class X, int R>
+inline void tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd, const float* xs, const int32_t*, int64_t K,
                  float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
   constexpr int C = GROUP;
+  constexpr bool INT8 = std::is_same_v<X, int8_t>;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   const int64_t next = panel_bytes<F>(nb);  // from one panel to the next
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr) prefetch_share<F>(ahead, b);
-    // With one row, each sum would be a chain of 2 qk/4 dependent multiply-adds, which their latency
-    // paces below the read bandwidth: there the low and high pairs of even and odd chunks go to
-    // four sums, added at the end (exact: integer sums do not depend on how they are split).
+    // With one row, each sum would be a chain of dependent multiply-adds, which their latency paces below
+    // the read bandwidth: there they go to four sums, added at the end (exact: integer sums do not depend
+    // on how they are split).
     constexpr int CHAINS = R == 1 ? 4 : 1;
     __m256i sum[R][C], part[CHAINS][C];
     for (int r = 0; r < R; ++r)
@@ -32,23 +41,39 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
     for (int h = 0; h < CHAINS; ++h)
       for (int c = 0; c < C; ++c) part[h][c] = _mm256_setzero_si256();
     const uint8_t* qb = F::block(q, b);  // block b of the first panel; the others' lie `next` apart
-    const int32_t* xb[R];  // each row's block as k pairs
+    const int32_t* xb[R];  // each row's block as k pairs (int16) or quads (int8)
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
     static_assert(F::qk / 4 % 2 == 0, "chunks come in pairs");
-    for (int64_t j0 = 0; j0 < F::qk / 4; j0 += 2) {
-#pragma GCC unroll 2
-      for (int64_t odd = 0; odd < 2; ++odd) {
-        const int64_t j = j0 + odd;
-        __m256i lo[C], hi[C];
-        for (int c = 0; c < C; ++c) F::pairs(qb + c * next, j, lo[c], hi[c]);
+    if constexpr (INT8) {
+      constexpr bool SIGNED = is_signed_bytes<F>;
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < F::qk / 4; ++j) {
+        __m256i w[C];
+        for (int c = 0; c < C; ++c) w[c] = quads<F>(qb + c * next, j);
         for (int r = 0; r < R; ++r) {
-          const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
+          const __m256i x = _mm256_set1_epi32(xb[r][j]);
           for (int c = 0; c < C; ++c) {
-            if constexpr (CHAINS == 4) {
-              part[2 * odd][c] = dot1(part[2 * odd][c], lo[c], x0);
-              part[2 * odd + 1][c] = dot1(part[2 * odd + 1][c], hi[c], x1);
-            } else {
-              sum[r][c] = dot2(sum[r][c], lo[c], x0, hi[c], x1);
+            if constexpr (CHAINS == 4) part[j % 4][c] = dot4<SIGNED>(part[j % 4][c], w[c], x);
+            else sum[r][c] = dot4<SIGNED>(sum[r][c], w[c], x);
+          }
+        }
+      }
+    } else {
+      for (int64_t j0 = 0; j0 < F::qk / 4; j0 += 2) {
+#pragma GCC unroll 2
+        for (int64_t odd = 0; odd < 2; ++odd) {
+          const int64_t j = j0 + odd;
+          __m256i lo[C], hi[C];
+          for (int c = 0; c < C; ++c) F::pairs(qb + c * next, j, lo[c], hi[c]);
+          for (int r = 0; r < R; ++r) {
+            const __m256i x0 = _mm256_set1_epi32(xb[r][2 * j]), x1 = _mm256_set1_epi32(xb[r][2 * j + 1]);
+            for (int c = 0; c < C; ++c) {
+              if constexpr (CHAINS == 4) {
+                part[2 * odd][c] = dot1(part[2 * odd][c], lo[c], x0);
+                part[2 * odd + 1][c] = dot1(part[2 * odd + 1][c], hi[c], x1);
+              } else {
+                sum[r][c] = dot2(sum[r][c], lo[c], x0, hi[c], x1);
+              }
             }
           }
         }
@@ -78,5 +103,5 @@ inline void tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* x
   }
 }
 
-template <class F>
-constexpr TileFn tiles[ROWS] = {tile<F, 1>, tile<F, 2>, tile<F, 3>};
+template <class F, class X>
+constexpr TileFn<X> tiles[ROWS] = {tile<F, X, 1>, tile<F, X, 2>, tile<F, X, 3>};

@@ -1,7 +1,8 @@
 // Weight-only quantized linear layers for AVX2 CPUs, on GGUF's block formats held as panels.
 //
 // Op contracts (registered as kvserve_native::*):
-//   linear_blocks(x [..., K] f32, ws [w_i], ns [n_i], kinds [kind_i]) -> [..., sum n_i] f32
+//   linear_blocks(x [..., K] f32, ws [w_i], ns [n_i], kinds [kind_i]) -> [..., sum n_i] f32 (a kind's
+//       INT8_ACTIVATIONS bit: int8 activations)
 //       each w_i the n_i-row weight as panels of its kind (panel_formats.h; models/formats/panels.py
 //       writes them): [P, units, unit bytes], panel p holding rows 8p..8p+7, and its blocks their blocks,
 //       the quants by pairs of k, feature beside feature, then the 8 features' fields; a unit is one
@@ -18,9 +19,11 @@
 // the same whatever shares its step. Where the CPU has AVX-512 with VNNI, the wide tiles (wide_tile.h)
 // run instead at every row count: vpdpwssd, a multiply-add and its accumulation in one instruction, on
 // 512 bits, bitwise the same.
-// The activations are quantized per block of 32 to int16 (scale amax/32767; int8, as llama.cpp uses,
-// was faster but flipped many greedy tokens even on the qkv and gate/up projections alone; figures in
-// docs/performance.md), each block's products are summed in int32, then scaled in f32.
+// The activations are quantized per block of 32 (16 for Q6_K) to int16 (scale amax/32767), each block's
+// products summed in int32, then scaled in f32: int8 activations, as llama.cpp uses, flip many greedy
+// tokens. A kind or'ed with INT8_ACTIVATIONS quantizes them to int8 instead (scale amax/127): a k quad
+// of bytes a lane (panel_formats.h's quads), twice the products an instruction for the steps the
+// multiply-adds bound, at llama.cpp's precision (figures in docs/performance.md).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -54,16 +57,21 @@ constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass tile
 // tiles' unpacking).
 constexpr int64_t UNPACK_WIDE_FROM = 16;
 
-// Activation rows quantized per block of qk (32, or 16 for Q6_K) to int16 (scale d = amax/32767;
-// s = d * sum(q), which a format's min term needs).
+// Activation rows quantized per block of qk (32, or 16 for Q6_K) to int16 (scale d = amax/32767) or int8
+// (d = amax/127, each k quad in the order of panel_formats.h's quads); s = d * sum(q), which a format's
+// min term needs, and t = sum(q), with which an int8 product on signed weights offset to bytes by 128
+// takes the offset's share back out exactly.
+template <class X>
 struct QuantizedRows {
-  const int16_t* q;    // [M, K]
+  const X* q;          // [M, K]
   const float *d, *s;  // [M, K/qk] each
+  const int32_t* t;    // [M, K/qk], int8 rows only
 };
 
-template <int64_t QKB>
-inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
+template <int64_t QKB, class X>
+inline void quantize_block(const float* x, X* q, float* d, float* s, int32_t* t) {
   constexpr int V = QKB / 8;
+  constexpr float LIMIT = std::is_same_v<X, int8_t> ? 127.0f : 32767.0f;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[V];
   __m256 amax = _mm256_setzero_ps();
@@ -71,36 +79,54 @@ inline void quantize_block(const float* x, int16_t* q, float* d, float* s) {
     v[i] = _mm256_loadu_ps(x + 8 * i);
     amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
   }
-  const float scale = hmax(amax) / 32767.0f;
+  const float scale = hmax(amax) / LIMIT;
   const __m256 inv = _mm256_set1_ps(scale != 0.0f ? 1.0f / scale : 0.0f);
-  __m256i total = _mm256_setzero_si256();
-  for (int j = 0; j < V; j += 2) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], inv));  // round to nearest
-    total = _mm256_add_epi32(total, _mm256_add_epi32(a, b));
-    // packs interleaves 128-bit lanes (a0 b0 a1 b1); the permute restores a0 a1 b0 b1
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), packed);
+  __m256i n[V], total = _mm256_setzero_si256();
+  for (int i = 0; i < V; ++i) {
+    n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
+    total = _mm256_add_epi32(total, n[i]);
   }
+  if constexpr (std::is_same_v<X, int8_t>) {
+    for (int i = 0; i < V; i += 4) {
+      __m256i a[4];  // each quad k0 k2 k1 k3; zero past the block's end
+      for (int h = 0; h < 4; ++h) a[h] = i + h < V ? _mm256_shuffle_epi32(n[i + h], 0xD8) : _mm256_setzero_si256();
+      // two packs leave 32-bit units in the order a0 b0 c0 d0 | a1 b1 c1 d1; the permute restores a0 a1 b0 b1 ...
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+      const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      if (QKB - 8 * i >= 32) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), ordered);
+      else _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 8 * i), _mm256_castsi256_si128(ordered));
+    }
+  } else {
+    for (int i = 0; i < V; i += 2) {
+      // packs interleaves 128-bit lanes (a0 b0 a1 b1); the permute restores a0 a1 b0 b1
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(n[i], n[i + 1]), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), packed);
+    }
+  }
+  const int32_t sum = static_cast<int32_t>(hsum(_mm256_cvtepi32_ps(total)));
   *d = scale;
-  *s = scale * hsum(_mm256_cvtepi32_ps(total));
+  *s = scale * static_cast<float>(sum);
+  *t = sum;
 }
 
 // Into the calling thread's scratch, one per block size (valid until its next call): at batch 1, three
 // at::empty calls for these cost about as much as quantizing the row.
-template <int64_t QKB>
-QuantizedRows quantize_rows(const at::Tensor& x) {
-  thread_local std::vector<int16_t> q;
+template <int64_t QKB, class X>
+QuantizedRows<X> quantize_rows(const at::Tensor& x) {
+  thread_local std::vector<X> q;
   thread_local std::vector<float> d, s;
+  thread_local std::vector<int32_t> t;
   const int64_t M = x.size(0), K = x.size(1), nb = K / QKB;
-  q.resize(M * K), d.resize(M * nb), s.resize(M * nb);
+  q.resize(M * K), d.resize(M * nb), s.resize(M * nb), t.resize(M * nb);
   const float* xp = x.data_ptr<float>();
-  int16_t* qp = q.data();
+  X* qp = q.data();
   float *dp = d.data(), *sp = s.data();
+  int32_t* tp = t.data();
   // rows are contiguous and K is a whole number of blocks, so block i of the flat array is block i % nb of row i / nb
   at::parallel_for(0, M * nb, 1024, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) quantize_block<QKB>(xp + i * QKB, qp + i * QKB, dp + i, sp + i);
+    for (int64_t i = begin; i < end; ++i) quantize_block<QKB>(xp + i * QKB, qp + i * QKB, dp + i, sp + i, tp + i);
   });
-  return {qp, dp, sp};
+  return {qp, dp, sp, tp};
 }
 
 using namespace kvserve_panels;
@@ -130,8 +156,9 @@ inline void unpack_bytes(const uint8_t* q, int64_t nb, uint8_t* to) {
     }
 }
 
-using TileFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t,
-                        int64_t, const uint8_t*);
+template <class X>
+using TileFn = void (*)(const uint8_t*, int64_t, const X*, const float*, const float*, const int32_t*, int64_t, float*,
+                        int64_t, int64_t, const uint8_t*);
 
 // Prefetch block b's share of the GROUP panels of F at `ahead`: over a tile's blocks, the group it reads next.
 template <class F>
@@ -164,15 +191,15 @@ bool has_wide() {
 }
 
 // out [M, N] (rows ldo apart) = x [M, K] by the N-feature weight held as these panels of F.
-template <class F>
-void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out, int64_t ldo) {
+template <class F, class X>
+void panel_linear(const QuantizedRows<X>& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out, int64_t ldo) {
   using U = typename F::Batch;
   const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, cols = GROUP * PANEL, group_bytes = GROUP * panel_bytes<F>(nb);
   if (has_wide())
     return M < UNPACK_WIDE_FROM ? wide::packed_wide_linear<F>(x, M, K, N, panels, out, ldo)
                                 : wide::wide_linear<F>(x, M, K, N, panels, out, ldo, ROW_CHUNK);
-  const TileFn* packed_tiles = avx2::tiles<F>;
-  const TileFn* unpacked_tiles = avx2::tiles<U>;
+  const TileFn<X>* packed_tiles = avx2::tiles<F, X>;
+  const TileFn<X>* unpacked_tiles = avx2::tiles<U, X>;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> unpacked;
     if (F::unpack_from && M >= F::unpack_from) unpacked.resize(GROUP * nb * U::bytes);
@@ -188,11 +215,12 @@ void panel_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const
         const uint8_t* ahead = one_pass ? q + PREFETCH_GROUPS * group_bytes : nullptr;
         for (int64_t r = r0; r < r1; r += ROWS) {
           const int64_t rows = std::min(ROWS, r1 - r);
-          const int16_t* xq = x.q + r * K;
+          const X* xq = x.q + r * K;
           const float *xd = x.d + r * nb, *xs = x.s + r * nb;
+          const int32_t* xt = x.t + r * nb;
           float* o = out + r * ldo + col;
-          if (unpack) unpacked_tiles[rows - 1](unpacked.data(), nb, xq, xd, xs, K, o, ldo, width, nullptr);
-          else packed_tiles[rows - 1](q, nb, xq, xd, xs, K, o, ldo, width, ahead);
+          if (unpack) unpacked_tiles[rows - 1](unpacked.data(), nb, xq, xd, xs, xt, K, o, ldo, width, nullptr);
+          else packed_tiles[rows - 1](q, nb, xq, xd, xs, xt, K, o, ldo, width, ahead);
         }
       }
     }
@@ -214,10 +242,10 @@ struct Tag {
   using type = T;
 };
 
-// Calls fn(Tag<F>{}) with the panel format F of `kind`.
+// Calls fn(Tag<F>{}) with the panel format F of `kind` (its activations' flag aside).
 template <class Fn>
 void with_format(int64_t kind, Fn&& fn) {
-  switch (kind) {
+  switch (kind & ~INT8_ACTIVATIONS) {
     case KIND_Q4_1: return fn(Tag<Q4_1>{});
     case KIND_Q8_0: return fn(Tag<Q8_0>{});
     case KIND_Q4_0: return fn(Tag<Q4_0>{});
@@ -245,15 +273,23 @@ at::Tensor linear_blocks(const at::Tensor& x_in, at::TensorList ws, at::IntArray
   shape.back() = total;
   at::Tensor out = at::empty({M, total}, x.options());
   if (M == 0) return out.view(shape);
-  // the activations quantized once for each block size the parts use
-  std::optional<QuantizedRows> rows[2];
+  // the activations quantized once for each block size and precision the parts use
+  std::optional<QuantizedRows<int16_t>> rows16[2];
+  std::optional<QuantizedRows<int8_t>> rows8[2];
   int64_t col = 0;
   for (size_t i = 0; i < ws.size(); ++i) {
     with_format(kinds[i], [&](auto tag) {
       using F = typename decltype(tag)::type;
-      auto& xq = rows[F::qk == QK ? 0 : 1];
-      if (!xq) xq = quantize_rows<F::qk>(x);
-      panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), out.data_ptr<float>() + col, total);
+      float* o = out.data_ptr<float>() + col;
+      if (kinds[i] & INT8_ACTIVATIONS) {
+        auto& xq = rows8[F::qk == QK ? 0 : 1];
+        if (!xq) xq = quantize_rows<F::qk, int8_t>(x);
+        panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), o, total);
+      } else {
+        auto& xq = rows16[F::qk == QK ? 0 : 1];
+        if (!xq) xq = quantize_rows<F::qk, int16_t>(x);
+        panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), o, total);
+      }
     });
     col += ns[i];
   }

@@ -1,5 +1,5 @@
 // The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
-// to int16, 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
+// to int16 pairs (vpdpwssd) or, for int8 activations, byte quads (vpdpbusd), 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
 // the includer defines the panel formats, GROUP, PANEL, panel_bytes, prefetch_share and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
@@ -12,23 +12,33 @@
 // the same float operations in the same order as in panel_tile.h (the integer sums are exact), so a row's
 // outputs are bitwise the same on every path: a row never depends on how many rows share its step.
 
-// A block of QKB weights: its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes, then 16 float scales
-// and 16 float mins.
-template <int64_t QKB>
-constexpr int64_t wide_quants = QKB / 4 * 128;
-template <int64_t QKB>
-constexpr int64_t wide_block = wide_quants<QKB> + 2 * 64;
+// A block of QKB weights: for int16 activations its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes;
+// for int8 ones its k quads, QKB/4 x 64 bytes (signed formats' offset by 128 to bytes); then 16 float
+// scales and 16 float mins.
+template <class X>
+constexpr bool is_int8 = std::is_same_v<X, int8_t>;
+template <int64_t QKB, class X>
+constexpr int64_t wide_quants = QKB / 4 * (is_int8<X> ? 64 : 128);
+template <int64_t QKB, class X>
+constexpr int64_t wide_block = wide_quants<QKB, X> + 2 * 64;
 constexpr int WIDE_ROWS = 6;  // rows a tile: 6 x 2 int32 sums and 6 x 2 float sums in registers
 
 // A group's GROUP panels (each nb blocks of F) from q -> the wide layout, nb blocks of wide_block bytes at `to`.
-template <class F>
+template <class F, class X>
 inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
-  constexpr int64_t QK = F::qk, WIDE_BLOCK = wide_block<QK>, WIDE_QUANTS = wide_quants<QK>;
+  constexpr int64_t QK = F::qk, WIDE_BLOCK = wide_block<QK, X>, WIDE_QUANTS = wide_quants<QK, X>;
   static_assert(GROUP == 2 && PANEL == 8, "a wide vector is one group: two panels of 8 features");
   const uint8_t *q1 = q + panel_bytes<F>(nb);  // the second panel
+  const __m256i offset = _mm256_set1_epi8(is_signed_bytes<F> ? static_cast<char>(0x80) : 0);
   for (int64_t b = 0; b < nb; ++b, to += WIDE_BLOCK) {
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     for (int64_t j = 0; j < QK / 4; ++j) {
+      if constexpr (is_int8<X>) {
+        __m256i* at = reinterpret_cast<__m256i*>(to + j * 64);
+        _mm256_storeu_si256(at, _mm256_xor_si256(quads<F>(p0, j), offset));
+        _mm256_storeu_si256(at + 1, _mm256_xor_si256(quads<F>(p1, j), offset));
+        continue;
+      }
       __m256i lo0, hi0, lo1, hi1;
       F::pairs(p0, j, lo0, hi0);
       F::pairs(p1, j, lo1, hi1);
@@ -47,31 +57,49 @@ inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
 }
 
 // out[r][0..16 C) for R rows by C unpacked groups at w (each nb * WIDE_BLOCK bytes, one after another).
-template <int64_t QK, int R, int C, bool MIN>
-void wide_tile(const uint8_t* w, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
+// SIGNED: the weights' bytes are offset by 128, so each int8 row's sum is less 128 t.
+template <int64_t QK, int R, int C, bool MIN, class X, bool SIGNED>
+void wide_tile(const uint8_t* w, int64_t nb, const X* xq, const float* xd, const float* xs, const int32_t* xt, int64_t K,
                float* out, int64_t ldo, int64_t width) {
-  constexpr int64_t WIDE_BLOCK = wide_block<QK>, WIDE_QUANTS = wide_quants<QK>;
+  constexpr int64_t WIDE_BLOCK = wide_block<QK, X>, WIDE_QUANTS = wide_quants<QK, X>;
   const int64_t stride = nb * WIDE_BLOCK;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* wb = w + b * WIDE_BLOCK;
-    const int32_t* xb[R];  // each row's block as k pairs
+    const int32_t* xb[R];  // each row's block as k pairs (int16) or quads (int8)
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * QK);
     __m512i sum[R][C];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) sum[r][c] = _mm512_setzero_si512();
+    if constexpr (is_int8<X>) {
 #pragma GCC unroll 8
-    for (int64_t j = 0; j < QK / 4; ++j) {
-      __m512i lo[C], hi[C];
-      for (int c = 0; c < C; ++c) {
-        lo[c] = _mm512_loadu_si512(wb + c * stride + j * 128);
-        hi[c] = _mm512_loadu_si512(wb + c * stride + j * 128 + 64);
+      for (int64_t j = 0; j < QK / 4; ++j) {
+        __m512i q[C];
+        for (int c = 0; c < C; ++c) q[c] = _mm512_loadu_si512(wb + c * stride + j * 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(xb[r][j]);
+          for (int c = 0; c < C; ++c) sum[r][c] = _mm512_dpbusd_epi32(sum[r][c], q[c], x);
+        }
       }
-      for (int r = 0; r < R; ++r) {
-        const __m512i x0 = _mm512_set1_epi32(xb[r][2 * j]), x1 = _mm512_set1_epi32(xb[r][2 * j + 1]);
-        for (int c = 0; c < C; ++c) sum[r][c] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][c], lo[c], x0), hi[c], x1);
+      if constexpr (SIGNED)
+        for (int r = 0; r < R; ++r) {
+          const __m512i offset = _mm512_set1_epi32(128 * xt[r * nb + b]);
+          for (int c = 0; c < C; ++c) sum[r][c] = _mm512_sub_epi32(sum[r][c], offset);
+        }
+    } else {
+#pragma GCC unroll 8
+      for (int64_t j = 0; j < QK / 4; ++j) {
+        __m512i lo[C], hi[C];
+        for (int c = 0; c < C; ++c) {
+          lo[c] = _mm512_loadu_si512(wb + c * stride + j * 128);
+          hi[c] = _mm512_loadu_si512(wb + c * stride + j * 128 + 64);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x0 = _mm512_set1_epi32(xb[r][2 * j]), x1 = _mm512_set1_epi32(xb[r][2 * j + 1]);
+          for (int c = 0; c < C; ++c) sum[r][c] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r][c], lo[c], x0), hi[c], x1);
+        }
       }
     }
     __m512 dw[C], mw[C];
@@ -95,11 +123,14 @@ void wide_tile(const uint8_t* w, int64_t nb, const int16_t* xq, const float* xd,
     }
 }
 
-using WideFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t);
+template <class X>
+using WideFn = void (*)(const uint8_t*, int64_t, const X*, const float*, const float*, const int32_t*, int64_t, float*,
+                        int64_t, int64_t);
 
-template <int64_t QK, int C, bool MIN>
-constexpr WideFn wide_tiles[WIDE_ROWS] = {wide_tile<QK, 1, C, MIN>, wide_tile<QK, 2, C, MIN>, wide_tile<QK, 3, C, MIN>,
-                                          wide_tile<QK, 4, C, MIN>, wide_tile<QK, 5, C, MIN>, wide_tile<QK, 6, C, MIN>};
+template <int64_t QK, int C, bool MIN, class X, bool S>
+constexpr WideFn<X> wide_tiles[WIDE_ROWS] = {wide_tile<QK, 1, C, MIN, X, S>, wide_tile<QK, 2, C, MIN, X, S>,
+                                             wide_tile<QK, 3, C, MIN, X, S>, wide_tile<QK, 4, C, MIN, X, S>,
+                                             wide_tile<QK, 5, C, MIN, X, S>, wide_tile<QK, 6, C, MIN, X, S>};
 
 // The 16 bytes at a and the 16 at b, as one vector.
 inline __m256i both(const uint8_t* a, const uint8_t* b) {
@@ -142,30 +173,51 @@ inline __m512 join(__m256 a, __m256 b) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
 
+// Chunk j of two panels' blocks as the int8 wide layout's vector (unpack_wide's): k quads of 16 features.
+template <class F>
+inline __m512i wide_quads(const uint8_t* p0, const uint8_t* p1, int64_t j) {
+  if constexpr (std::is_base_of_v<Nibbles, F>) {  // as quads: (w | w << 4) & 0x0F0F, one ternary op
+    const __m512i w = _mm512_cvtepu8_epi16(both(p0 + 16 * j, p1 + 16 * j));
+    return _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0F0F), 0xA8);
+  }
+  __m512i lo, hi;
+  wide_pairs<F>(p0, p1, j, lo, hi);
+  if constexpr (!is_signed_bytes<F>) return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+  const __m512i q = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi16(0xFF)), _mm512_slli_epi16(hi, 8));
+  return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+}
+
 // out[r][0..16) for R rows by one group (16 features) of packed panels of F at q, its pairs unpacked in
 // registers: for a few rows, unpacking each group once into memory cost more than the tiles that read it.
 // `ahead`, if not null, is prefetched over the blocks, as in panel_tile.h: the group this thread reads
 // next, when this tile is the first over this group, which a few rows' step reads from memory.
-template <class F, int R>
-void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const float* xd, const float* xs, int64_t K,
-                      float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
+template <class F, class X, int R>
+void packed_wide_tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd, const float* xs, const int32_t* xt,
+                      int64_t K, float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
   const uint8_t* q1 = q + panel_bytes<F>(nb);  // the second panel
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     if (ahead != nullptr) prefetch_share<F>(ahead, b);
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
-    const int32_t* xb[R];  // each row's block as k pairs
+    const int32_t* xb[R];  // each row's block as k pairs (int16) or quads (int8)
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
-    // With one row a block's sum would be one chain of qk/2 dependent multiply-adds, paced by their latency
-    // below the read bandwidth: there even and odd chunks' low and high pairs go to four sums (exact, as
-    // integer sums do not depend on how they are split), as in panel_tile.h.
+    // With one row a block's sum would be one chain of dependent multiply-adds, paced by their latency
+    // below the read bandwidth: there they go to four sums (exact, as integer sums do not depend on how
+    // they are split), as in panel_tile.h.
     constexpr int CHAINS = R == 1 ? 4 : 1;
     __m512i sum[R], part[CHAINS];
     for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
     for (int h = 0; h < CHAINS; ++h) part[h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
     for (int64_t j = 0; j < F::qk / 4; ++j) {
+      if constexpr (is_int8<X>) {
+        const __m512i w = wide_quads<F>(p0, p1, j);
+        if constexpr (CHAINS == 4) part[j % 4] = _mm512_dpbusd_epi32(part[j % 4], w, _mm512_set1_epi32(xb[0][j]));
+        else
+          for (int r = 0; r < R; ++r) sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(xb[r][j]));
+        continue;
+      }
       __m512i lo, hi;
       wide_pairs<F>(p0, p1, j, lo, hi);
       if constexpr (CHAINS == 4) {
@@ -179,6 +231,8 @@ void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const flo
     }
     if constexpr (CHAINS == 4)
       sum[0] = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]), _mm512_add_epi32(part[2], part[3]));
+    if constexpr (is_int8<X> && is_signed_bytes<F>)  // the weights' offset of 128, taken back out
+      for (int r = 0; r < R; ++r) sum[r] = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * xt[r * nb + b]));
     const __m512 dw = join(F::scales(q, b), F::scales(q1, b)), mw = join(F::mins(q, b), F::mins(q1, b));
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
@@ -192,17 +246,18 @@ void packed_wide_tile(const uint8_t* q, int64_t nb, const int16_t* xq, const flo
 }
 
 constexpr int PACKED_ROWS = 8;  // rows a packed tile: 8 int32 sums and 8 float sums in registers
-using PackedFn = void (*)(const uint8_t*, int64_t, const int16_t*, const float*, const float*, int64_t, float*, int64_t, int64_t,
-                          const uint8_t*);
-template <class F>
-constexpr PackedFn packed_tiles[PACKED_ROWS] = {packed_wide_tile<F, 1>, packed_wide_tile<F, 2>, packed_wide_tile<F, 3>,
-                                                packed_wide_tile<F, 4>, packed_wide_tile<F, 5>, packed_wide_tile<F, 6>,
-                                                packed_wide_tile<F, 7>, packed_wide_tile<F, 8>};
+template <class X>
+using PackedFn = void (*)(const uint8_t*, int64_t, const X*, const float*, const float*, const int32_t*, int64_t, float*,
+                          int64_t, int64_t, const uint8_t*);
+template <class F, class X>
+constexpr PackedFn<X> packed_tiles[PACKED_ROWS] = {
+    packed_wide_tile<F, X, 1>, packed_wide_tile<F, X, 2>, packed_wide_tile<F, X, 3>, packed_wide_tile<F, X, 4>,
+    packed_wide_tile<F, X, 5>, packed_wide_tile<F, X, 6>, packed_wide_tile<F, X, 7>, packed_wide_tile<F, X, 8>};
 
 // out [M, N] = x [M, K] by the N-feature weight held as panels of F, a group (16 features) at a time,
 // unpacked in registers by every tile of rows.
-template <class F>
-void packed_wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
+template <class F, class X>
+void packed_wide_linear(const QuantizedRows<X>& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
                         int64_t ldo) {
   const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * panel_bytes<F>(nb);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -212,18 +267,19 @@ void packed_wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N,
         const int64_t rows = std::min<int64_t>(PACKED_ROWS, M - r);
         // past the weight's end a prefetch is only wasted, never a fault
         const uint8_t* ahead = r == 0 ? panels + (g + PREFETCH_GROUPS) * group_bytes : nullptr;
-        packed_tiles<F>[rows - 1](panels + g * group_bytes, nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K,
-                                  out + r * ldo + col, ldo, width, ahead);
+        packed_tiles<F, X>[rows - 1](panels + g * group_bytes, nb, x.q + r * K, x.d + r * nb, x.s + r * nb, x.t + r * nb,
+                                     K, out + r * ldo + col, ldo, width, ahead);
       }
     }
   });
 }
 
 // out [M, N] = x [M, K] by the N-feature weight held as panels of F, two groups (32 features) a tile.
-template <class F>
-void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
+template <class F, class X>
+void wide_linear(const QuantizedRows<X>& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
                  int64_t ldo, int64_t row_chunk) {
-  constexpr int64_t WIDE_BLOCK = wide_block<F::qk>;
+  constexpr int64_t WIDE_BLOCK = wide_block<F::qk, X>;
+  constexpr bool S = is_int8<X> && is_signed_bytes<F>;
   const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * panel_bytes<F>(nb);
   const int64_t units = (groups + 1) / 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -233,11 +289,11 @@ void wide_linear(const QuantizedRows& x, int64_t M, int64_t K, int64_t N, const 
       const int64_t r1 = std::min(M, r0 + row_chunk);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t g = 2 * u, c = std::min<int64_t>(2, groups - g), col = g * GROUP * PANEL;
-        for (int64_t i = 0; i < c; ++i) unpack_wide<F>(panels + (g + i) * group_bytes, nb, scratch.data() + i * nb * WIDE_BLOCK);
-        const WideFn* tiles = c == 2 ? wide_tiles<F::qk, 2, F::has_min> : wide_tiles<F::qk, 1, F::has_min>;
+        for (int64_t i = 0; i < c; ++i) unpack_wide<F, X>(panels + (g + i) * group_bytes, nb, scratch.data() + i * nb * WIDE_BLOCK);
+        const WideFn<X>* tiles = c == 2 ? wide_tiles<F::qk, 2, F::has_min, X, S> : wide_tiles<F::qk, 1, F::has_min, X, S>;
         for (int64_t r = r0; r < r1; r += WIDE_ROWS) {
           const int64_t rows = std::min<int64_t>(WIDE_ROWS, r1 - r);
-          tiles[rows - 1](scratch.data(), nb, x.q + r * K, x.d + r * nb, x.s + r * nb, K, out + r * ldo + col, ldo,
+          tiles[rows - 1](scratch.data(), nb, x.q + r * K, x.d + r * nb, x.s + r * nb, x.t + r * nb, K, out + r * ldo + col, ldo,
                           std::min(c * GROUP * PANEL, N - col));
         }
       }

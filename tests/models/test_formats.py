@@ -9,6 +9,7 @@ import torch
 
 from models import ModelLoadError, load_model
 from models.formats import FORMATS
+from models.formats.panels import INT8_ACTIVATIONS
 from models.quant import LinearBlocks, model_kernels_available
 from models.stored import StoredTensor
 from tests.models.gguf_files import random_blocks, rewritten, write_llama_gguf
@@ -42,23 +43,37 @@ def test_each_format_decodes_and_repacks_exactly(gguf_type):
     assert torch.equal(torch.ops.kvserve_native.rows_blocks(panels, torch.arange(rows), kind.id), want)
 
 
+def int8_rows(x: torch.Tensor, qk: int) -> torch.Tensor:
+    """x [M, K] as the int8 path quantizes it, dequantized: per block of qk, scale amax/127, the product
+    by its float32 inverse rounded to the nearest integer, ties to even (vcvtps2dq)."""
+    blocks = x.reshape(x.shape[0], -1, qk)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inv) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("activations", ["int16", "int8"])
 @pytest.mark.parametrize("gguf_type", sorted(FORMATS))
-def test_each_format_kernel_matches_its_weights_at_every_batch(gguf_type):
-    """Near-exact against its own dequantized weight, and a row's output is bitwise the same whatever
-    shares its step: alone, in a tile of 2, the wide tiles unpacking in registers (3-15 rows: tiles of 8 and
+def test_each_format_kernel_matches_its_weights_at_every_batch(gguf_type, activations):
+    """Near-exact against its own dequantized weight (int8: against the activations rounded as the path
+    rounds them, so the product itself is exact), and a row's output is bitwise the same whatever shares
+    its step: alone, in a tile of 2, the wide tiles unpacking in registers (3-15 rows: tiles of 8 and
     the rest) and from panels unpacked once (16+), two chunks (131)."""
     rng = np.random.default_rng(3)
     rows, k = 200, 768
     raw = random_blocks(gguf_type, rows, k, rng)
     weight = reference(gguf_type, raw, rows, k)
     kind = FORMATS[gguf_type].kind
+    kind_id = kind.id | (INT8_ACTIVATIONS if activations == "int8" else 0)
     panels = stored_panels(gguf_type, raw)
     x = torch.randn(131, k) * torch.linspace(0.01, 30, k)
-    full = torch.ops.kvserve_native.linear_blocks(x, [panels], [rows], [kind.id])
-    want = x @ weight.T
+    full = torch.ops.kvserve_native.linear_blocks(x, [panels], [rows], [kind_id])
+    want = (int8_rows(x, kind.qk) if activations == "int8" else x) @ weight.T
     assert float((full - want).norm() / want.norm()) < 1e-4
+    if activations == "int8":  # int8 rounding, visibly: what the int16 path keeps
+        assert float((full - x @ weight.T).norm() / want.norm()) > 1e-3
     for m in (1, 2, 3, 8, 17, 40):
-        assert torch.equal(torch.cat([torch.ops.kvserve_native.linear_blocks(p, [panels], [rows], [kind.id])
+        assert torch.equal(torch.cat([torch.ops.kvserve_native.linear_blocks(p, [panels], [rows], [kind_id])
                                       for p in x.split(m)]), full), m
 
 
@@ -118,6 +133,24 @@ def test_a_file_is_served_as_stored(tiny_files, smollm, mix):
         assert held == {mix: 2 * 7 + 1, "F32": 2 * 2 + 1}
     else:
         assert held == {"Q4_K": 10, "Q6_K": 5, "F32": 5}
+
+
+def test_int8_activations_are_asked_for_and_kept_with_the_artifact(tiny_files, smollm):
+    """`--activations int8`: every block product rounds its activations to int8, near the exact logits; the
+    artifact records it; float weights have no activations to quantize, and say so."""
+    ids = smollm.tokenizer.encode(PROMPT)
+    path = str(tiny_files["Q4_K_M"])
+    int8 = load_model(path, weights="stored", activations="int8")
+    int16, exact = load_model(path, weights="stored"), load_model(path, use_cache=False, weights="f32")
+    assert (int8.activations, int16.activations) == ("int8", "int16") and int8.folder != int16.folder
+    got, plain, want = last_logits(int8, ids), last_logits(int16, ids), last_logits(exact, ids)
+    assert 2e-3 < float((got - want).norm() / want.norm()) < 3e-2
+    assert float((plain - want).norm() / want.norm()) < 2e-3
+    assert load_model(path, weights="stored", activations="int8").activations == "int8"  # from the artifact
+    with pytest.raises(ModelLoadError, match="int8 activations are for block-format weights"):
+        load_model(path, use_cache=False, weights="f32", activations="int8")
+    result = run_cli("export", "--model", path, "--out", "unused", "--activations", "int4")
+    assert result.returncode == 2 and "--activations: invalid choice" in result.stderr
 
 
 def test_a_type_without_a_kernel_names_the_tensor_unless_requantized(tmp_path, smollm_path, smollm):

@@ -12,6 +12,7 @@ import torch
 
 from models import load_model
 from models.formats import FORMATS
+from models.formats.panels import INT8_ACTIVATIONS
 from models.quant import model_kernels_available
 from tests.models.gguf_files import random_blocks, write_llama_gguf
 from tests.models.test_formats import stored_panels
@@ -54,14 +55,15 @@ def on_haswell(script: str, *args: str) -> None:
 def test_the_avx2_path_gives_the_same_bits_as_this_cpus(tmp_path):
     """Each format at 1 row (the one-row tile on AVX2; on AVX-512 a wide tile of four sums), 3 (a full tile
     on AVX2; on AVX-512 one unpacking in registers), 8 and 17 (wide tiles on VNNI, unpacked panels on
-    AVX2), and its rows as an embedding reads them."""
+    AVX2), with int16 and int8 activations, and its rows as an embedding reads them."""
     rng = np.random.default_rng(5)
     inputs = {}
     for gguf_type in sorted(FORMATS):
         rows, k = 40, 512
         panels = stored_panels(gguf_type, random_blocks(gguf_type, rows, k, rng))
         for m in (1, 3, 8, 17):
-            inputs[f"{gguf_type} x{m}"] = (torch.randn(m, k), panels, rows, FORMATS[gguf_type].kind.id)
+            for flag, acts in ((0, "int16"), (INT8_ACTIVATIONS, "int8")):
+                inputs[f"{gguf_type} x{m} {acts}"] = (torch.randn(m, k), panels, rows, FORMATS[gguf_type].kind.id | flag)
     torch.save(inputs, tmp_path / "in.pt")
     on_haswell(PRODUCTS, str(tmp_path / "in.pt"), str(tmp_path / "out.pt"))
     emulated = torch.load(tmp_path / "out.pt")

@@ -40,6 +40,15 @@ def f32_server(smollm):
         yield server
 
 
+@pytest.fixture(scope="module")
+def int8_server(smollm_path):
+    """The served weights with `--activations int8`: other arithmetic, the same invariance."""
+    from models import DEFAULT_MODEL, load_model
+
+    with LiveServer(load_model(DEFAULT_MODEL, weights="auto", activations="int8"), WIDE) as server:
+        yield server
+
+
 def post_all(url: str, route: str, bodies: list[dict]) -> list[dict]:
     """The bodies sent at once -> their replies, in order."""
     async def go():
@@ -63,7 +72,7 @@ def reply(res: dict) -> tuple:
                                      for t in c["logprobs"]["content"]]
 
 
-@pytest.mark.parametrize("which", ["q4_server", "f32_server"])
+@pytest.mark.parametrize("which", ["q4_server", "f32_server", "int8_server"])
 def test_drafts_change_no_greedy_token_alone_or_beside_8_streams(which, request):
     server = request.getfixturevalue(which)
     accepted = metric(server.url, ACCEPTED)

@@ -2,6 +2,7 @@
 alike. Prints JSON.
 
     python bench/greedy_agreement.py [--files Q4_1,Q4_0,Q4_K_M,Q8_0] [--prompts 16] [--tokens 64]
+                                     [--activations int16]
 
 For each file (named as bench/compare_llamacpp.py's --file names them), both servers answer the same
 prompts greedily, and give the token ids: kvserve's TGI `/generate` with `details`, llama-server's
@@ -59,6 +60,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--activations", default="int16", help="kvserve's --activations (the f32 reference has none)")
     args = ap.parse_args()
     binary = build()
     rng = random.Random(args.seed)
@@ -67,13 +69,13 @@ def main() -> int:
     for spec in args.files.split(","):
         gguf = compared_file(spec)
         with contextlib.ExitStack() as stack:
-            kv = stack.enter_context(launched_server(str(gguf), ["--speculative", "off"]))
+            kv = stack.enter_context(launched_server(str(gguf), ["--speculative", "off", "--activations", args.activations]))
             exact = stack.enter_context(launched_server(str(gguf), ["--speculative", "off", "--weights", "f32"]))
             ls = stack.enter_context(llama_server(binary, gguf))
             replies = {"kvserve": [kvserve_ids(kv, p, args.tokens) for p in prompts],
                        "llama-server": [llama_ids(ls, p, args.tokens) for p in prompts],
                        "f32": [kvserve_ids(exact, p, args.tokens) for p in prompts]}
-        row = {"file": gguf.name, "prompts": len(prompts), "tokens": args.tokens}
+        row = {"file": gguf.name, "prompts": len(prompts), "tokens": args.tokens, "activations": args.activations}
         for a, b in (("kvserve", "llama-server"), ("kvserve", "f32"), ("llama-server", "f32")):
             prefixes = [common_prefix(x, y) for x, y in zip(replies[a], replies[b])]
             row[f"{a} vs {b}"] = {"mean_common_prefix": round(statistics.fmean(prefixes), 1),

@@ -23,19 +23,22 @@ def running(cmd: list[str], port: int, timeout: float, **popen):
         stop([proc], timeout=120)
 
 
-def compiled(model: str) -> None:
+def compiled(model: str, activations: str = "int16") -> None:
     """`model`'s artifact and its compiled program, made before a measured server starts: `kvserve serve`
     makes what is missing in the background, and its first minute would run program.py beside a compile
     that takes one of the two cores."""
-    code = ("import subprocess, sys; from models import load_model; f = load_model(sys.argv[1], weights='auto').folder; "
+    code = ("import subprocess, sys; from models import load_model; "
+            "f = load_model(sys.argv[1], weights='auto', activations=sys.argv[2]).folder; "
             "(f / 'program.pt2').is_file() or subprocess.run([sys.executable, '-m', 'models.compiled_program', str(f)], check=True)")
-    subprocess.run([sys.executable, "-c", code, model], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-c", code, model, activations], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
 
 
 def launched_server(model: str, extra: list[str] | None = None, timeout: float = 600):
-    compiled(model)
+    extra = extra or []
+    compiled(model, extra[extra.index("--activations") + 1] if "--activations" in extra else "int16")
     port = free_port()
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *(extra or [])]
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *extra]
     return running(cmd, port, timeout, stdout=subprocess.DEVNULL)
 
 

@@ -2,6 +2,7 @@
 the multiply-adds. Prints JSON.
 
     python bench/linear_blocks.py [--formats Q4_K,Q6_K,Q4_0,Q8_0] [--rows 1,4,8,32] [--copies 12]
+                                  [--activations int16,int8]
 
 Each format holds a 1B model's FFN weight of random blocks (8192 x 2048; Q6_K as the down projection,
 2048 x 8192), `--copies` of it, so that a pass over them all reads from memory rather than the cache
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.formats import FORMATS  # noqa: E402
+from models.formats.panels import INT8_ACTIVATIONS  # noqa: E402
 from models.quant import model_kernels_available  # noqa: E402
 from tests.models.gguf_files import random_blocks  # noqa: E402
 
@@ -33,6 +35,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,8,32")
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--activations", default="int16", help="int16, int8 or both (comma-separated), in turns")
     args = ap.parse_args()
     if not model_kernels_available():
         raise SystemExit("the kernels are unavailable here (kvserve kernels builds them)")
@@ -46,15 +49,18 @@ def main() -> int:
         weights = [fmt.panels(lambda r0, r1: raw[r0:r1], n) for _ in range(args.copies)]
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k)
-            for w in weights:
-                torch.ops.kvserve_native.linear_blocks(x, [w], [n], [fmt.kind.id])
-            best = float("inf")
-            for _ in range(20):
-                start = time.perf_counter()
+            for acts in args.activations.split(","):
+                kind = fmt.kind.id | (INT8_ACTIVATIONS if acts == "int8" else 0)
                 for w in weights:
-                    torch.ops.kvserve_native.linear_blocks(x, [w], [n], [fmt.kind.id])
-                best = min(best, (time.perf_counter() - start) / len(weights))
-            out[f"{name} x{m}"] = {"us": round(best * 1e6, 1), "read_gb_s": round(weights[0].numel() / best / 1e9, 1)}
+                    torch.ops.kvserve_native.linear_blocks(x, [w], [n], [kind])
+                best = float("inf")
+                for _ in range(20):
+                    start = time.perf_counter()
+                    for w in weights:
+                        torch.ops.kvserve_native.linear_blocks(x, [w], [n], [kind])
+                    best = min(best, (time.perf_counter() - start) / len(weights))
+                key = f"{name} x{m}" + ("" if acts == "int16" else f" {acts}")
+                out[key] = {"us": round(best * 1e6, 1), "read_gb_s": round(weights[0].numel() / best / 1e9, 1)}
     print(json.dumps({"threads": args.threads, "copies": args.copies, "products": out}, indent=2))
     return 0
 

@@ -17,7 +17,7 @@ import torch
 
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import DEFAULT_MODEL, load_model
-from models.quant import WEIGHT_MODES
+from models.quant import ACTIVATIONS, WEIGHT_MODES
 from server.config import KV_DTYPES
 from server.engine.kv_pool import kv_dtype
 from server.engine.model_thread import keep_step_buffers
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", default="auto", choices=["auto", *WEIGHT_MODES])
+    ap.add_argument("--activations", default="int16", choices=ACTIVATIONS, help="as kvserve serve --activations")
     ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="as kvserve serve --kv-dtype")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")
@@ -36,12 +37,13 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="program.py, not the compiled package")
     args = ap.parse_args()
     keep_step_buffers()  # as the engine does
-    model = load_model(args.model, args.dtype, weights=args.weights, compiled=not args.enforce_eager)
+    model = load_model(args.model, args.dtype, weights=args.weights, compiled=not args.enforce_eager,
+                       activations=args.activations)
     c = model.config
     kv = kv_dtype(args.kv_dtype, model)
     layout = dict(n_layers=c.n_layers, n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, dtype=kv)
     vocab = c.vocab_size
-    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "kv_dtype": str(kv).removeprefix("torch."), "threads": torch.get_num_threads(), "compiled": model.forward.compiled,
+    results = {"model": args.model, "dtype": args.dtype, "weights": model.weights, "activations": model.activations, "kv_dtype": str(kv).removeprefix("torch."), "threads": torch.get_num_threads(), "compiled": model.forward.compiled,
                "machine": platform.processor() or platform.machine(), "decode": {}}
 
     def forward(tokens, positions, rows):

@@ -2,6 +2,7 @@
 Prints JSON.
 
     python bench/perplexity.py [--files Q4_1,Q4_0,Q4_K_M,Q8_0] [--text /usr/share/common-licenses/GPL-3]
+                               [--activations int16,int8]
 
 llama-perplexity's method, repeated through kvserve's HTTP API: the text is tokenized once (llama-server's
 /tokenize on the same file, so both score the same ids), cut into chunks of --ctx tokens, and each chunk
@@ -38,9 +39,9 @@ def token_ids(path: Path, text: str) -> list[int]:
         return httpx.post(url + "/tokenize", json={"content": text, "add_special": True}, timeout=300).json()["tokens"]
 
 
-def kvserve_perplexity(path: Path, ids: list[int], ctx: int, weights: str) -> float:
+def kvserve_perplexity(path: Path, ids: list[int], ctx: int, activations: str) -> float:
     nll, count = 0.0, 0
-    with launched_server(str(path), ["--served-model-name", SERVED, "--weights", weights, "--speculative", "off"]) as url:
+    with launched_server(str(path), ["--served-model-name", SERVED, "--activations", activations, "--speculative", "off"]) as url:
         for start in range(0, len(ids) - ctx + 1, ctx):
             chunk = ids[start : start + ctx]
             body = {"model": SERVED, "prompt": chunk, "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
@@ -57,15 +58,18 @@ def main() -> None:
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--activations", default="int16", help="kvserve's --activations, one column each (int16,int8)")
     args = ap.parse_args()
     text = Path(args.text)
     rows = []
     for spec in args.files.split(","):
         path = compared_file(spec)
         ids = token_ids(path, text.read_text())
-        row = {"file": path.name, "tokens": len(ids), "llama_perplexity": llama_perplexity(path, text, args.ctx, args.threads),
-               "kvserve": round(kvserve_perplexity(path, ids, args.ctx, "auto"), 4)}
-        row["kvserve_over_llama"] = round(row["kvserve"] / row["llama_perplexity"], 4)
+        row = {"file": path.name, "tokens": len(ids), "llama_perplexity": llama_perplexity(path, text, args.ctx, args.threads)}
+        for acts in args.activations.split(","):
+            name = "kvserve" if acts == "int16" else f"kvserve_{acts}"
+            row[name] = round(kvserve_perplexity(path, ids, args.ctx, acts), 4)
+            row[f"{name}_over_llama"] = round(row[name] / row["llama_perplexity"], 4)
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     print(json.dumps({"text": str(text), "ctx": args.ctx, "results": rows}, indent=2))

@@ -1,5 +1,5 @@
 // The panel tile of quant_matmul.cpp, for CPUs without AVX-512 (those with it run wide_tile.h, bitwise
-// the same: the integer sums are exact). The includer defines the formats, GROUP, PANEL, TileFn,
+// the same: the integer sums are exact). The includer defines the formats, GROUP, PANEL, TileFn, is_int8,
 // panel_bytes and prefetch_share, and wraps this in a namespace of its own.
 
 // sum + lo . x0 + hi . x1, in int32 lanes (vpmaddwd: 16 multiply-adds, pairwise summed); dot1 one of them.
@@ -24,7 +24,6 @@ template <class F, class X, int R>
 inline void tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd, const float* xs, const int32_t*, int64_t K,
                  float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
   constexpr int C = GROUP;
-  constexpr bool INT8 = std::is_same_v<X, int8_t>;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
@@ -44,7 +43,7 @@ inline void tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd, con
     const int32_t* xb[R];  // each row's block as k pairs (int16) or quads (int8)
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
     static_assert(F::qk / 4 % 2 == 0, "chunks come in pairs");
-    if constexpr (INT8) {
+    if constexpr (is_int8<X>) {
       constexpr bool SIGNED = is_signed_bytes<F>;
 #pragma GCC unroll 8
       for (int64_t j = 0; j < F::qk / 4; ++j) {

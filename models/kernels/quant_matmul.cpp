@@ -60,18 +60,20 @@ constexpr int64_t UNPACK_WIDE_FROM = 16;
 // Activation rows quantized per block of qk (32, or 16 for Q6_K) to int16 (scale d = amax/32767) or int8
 // (d = amax/127, each k quad in the order of panel_formats.h's quads); s = d * sum(q), which a format's
 // min term needs, and t = sum(q), with which an int8 product on signed weights offset to bytes by 128
-// takes the offset's share back out exactly.
+// takes the offset's share back out exactly (the tiles of int16 rows never read it).
+template <class X>
+constexpr bool is_int8 = std::is_same_v<X, int8_t>;  // X, the activations' type: int8_t or int16_t
 template <class X>
 struct QuantizedRows {
   const X* q;          // [M, K]
   const float *d, *s;  // [M, K/qk] each
-  const int32_t* t;    // [M, K/qk], int8 rows only
+  const int32_t* t;    // [M, K/qk]
 };
 
 template <int64_t QKB, class X>
 inline void quantize_block(const float* x, X* q, float* d, float* s, int32_t* t) {
   constexpr int V = QKB / 8;
-  constexpr float LIMIT = std::is_same_v<X, int8_t> ? 127.0f : 32767.0f;
+  constexpr float LIMIT = is_int8<X> ? 127.0f : 32767.0f;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[V];
   __m256 amax = _mm256_setzero_ps();
@@ -86,7 +88,7 @@ inline void quantize_block(const float* x, X* q, float* d, float* s, int32_t* t)
     n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest
     total = _mm256_add_epi32(total, n[i]);
   }
-  if constexpr (std::is_same_v<X, int8_t>) {
+  if constexpr (is_int8<X>) {
     for (int i = 0; i < V; i += 4) {
       __m256i a[4];  // each quad k0 k2 k1 k3; zero past the block's end
       for (int h = 0; h < 4; ++h) a[h] = i + h < V ? _mm256_shuffle_epi32(n[i + h], 0xD8) : _mm256_setzero_si256();
@@ -280,16 +282,14 @@ at::Tensor linear_blocks(const at::Tensor& x_in, at::TensorList ws, at::IntArray
   for (size_t i = 0; i < ws.size(); ++i) {
     with_format(kinds[i], [&](auto tag) {
       using F = typename decltype(tag)::type;
-      float* o = out.data_ptr<float>() + col;
-      if (kinds[i] & INT8_ACTIVATIONS) {
-        auto& xq = rows8[F::qk == QK ? 0 : 1];
-        if (!xq) xq = quantize_rows<F::qk, int8_t>(x);
-        panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), o, total);
-      } else {
-        auto& xq = rows16[F::qk == QK ? 0 : 1];
-        if (!xq) xq = quantize_rows<F::qk, int16_t>(x);
-        panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), o, total);
-      }
+      auto product = [&](auto& rows) {
+        auto& xq = rows[F::qk == QK ? 0 : 1];
+        using X = std::remove_const_t<std::remove_pointer_t<decltype(xq->q)>>;
+        if (!xq) xq = quantize_rows<F::qk, X>(x);
+        panel_linear<F>(*xq, M, K, ns[i], ws[i].data_ptr<uint8_t>(), out.data_ptr<float>() + col, total);
+      };
+      if (kinds[i] & INT8_ACTIVATIONS) product(rows8);
+      else product(rows16);
     });
     col += ns[i];
   }

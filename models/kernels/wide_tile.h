@@ -1,6 +1,6 @@
 // The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
 // to int16 pairs (vpdpwssd) or, for int8 activations, byte quads (vpdpbusd), 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
-// the includer defines the panel formats, GROUP, PANEL, panel_bytes, prefetch_share and QuantizedRows.
+// the includer defines the panel formats, GROUP, PANEL, panel_bytes, prefetch_share, is_int8 and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. With many rows the panels' bytes are unpacked once per
@@ -15,8 +15,6 @@
 // A block of QKB weights: for int16 activations its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes;
 // for int8 ones its k quads, QKB/4 x 64 bytes (signed formats' offset by 128 to bytes); then 16 float
 // scales and 16 float mins.
-template <class X>
-constexpr bool is_int8 = std::is_same_v<X, int8_t>;
 template <int64_t QKB, class X>
 constexpr int64_t wide_quants = QKB / 4 * (is_int8<X> ? 64 : 128);
 template <int64_t QKB, class X>

@@ -1,6 +1,6 @@
-// The panel tile of quant_matmul.cpp, for CPUs without AVX-512 (those with it run wide_tile.h, bitwise
-// the same: the integer sums are exact). The includer defines the formats, GROUP, PANEL, TileFn, is_int8,
-// panel_bytes and prefetch_share, and wraps this in a namespace of its own.
+// The panel tile of quant_matmul.cpp, for CPUs without AVX-512 (those with it run wide_tile.h and
+// packed_wide_tile.h, bitwise the same: the integer sums are exact). The includer defines the formats,
+// GROUP, PANEL, TileFn, is_int8, panel_bytes and prefetch_share, and wraps this in a namespace of its own.
 
 // sum + lo . x0 + hi . x1, in int32 lanes (vpmaddwd: 16 multiply-adds, pairwise summed); dot1 one of them.
 inline __m256i dot2(__m256i sum, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {

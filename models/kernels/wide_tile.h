@@ -1,16 +1,15 @@
-// The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI: a chunk of rows against panels unpacked
-// to int16 pairs (vpdpwssd) or, for int8 activations, byte quads (vpdpbusd), 16 features a 512-bit vector. Included there once, inside a namespace compiled for AVX-512;
-// the includer defines the panel formats, GROUP, PANEL, panel_bytes, prefetch_share, is_int8 and QuantizedRows.
+// The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI, from 16 rows: a chunk of rows against
+// panels unpacked to int16 pairs (vpdpwssd) or, for int8 activations, byte quads (vpdpbusd), 16 features
+// a 512-bit vector. Included there once, inside a namespace compiled for AVX-512; the includer defines
+// the panel formats, GROUP, PANEL, panel_bytes, prefetch_share, is_int8 and QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. With many rows the panels' bytes are unpacked once per
 // chunk of rows into a layout the inner loop reads whole (two panels side by side, each k pair of 16
-// features one vector), so that loop is loads and vpdpwssd alone. With a few (one stream, a handful, or
-// one stream's drafted tokens) that unpacking was a third of the step: there each tile of up to 8 rows
-// unpacks the same vectors from the panels in registers (wide_pairs), two panels an instruction, and
-// prefetches the next groups, since such a step streams its weights from memory. Each output lane gets
-// the same float operations in the same order as in panel_tile.h (the integer sums are exact), so a row's
-// outputs are bitwise the same on every path: a row never depends on how many rows share its step.
+// features one vector), so that loop is loads and vpdpwssd alone. Below 16 rows packed_wide_tile.h's
+// tiles unpack the same vectors in registers instead. Each output lane gets the same float operations in
+// the same order as in panel_tile.h (the integer sums are exact), so a row's outputs are bitwise the same
+// on every path: a row never depends on how many rows share its step.
 
 // A block of QKB weights: for int16 activations its k pairs, QKB/4 x (low pairs, high pairs) x 64 bytes;
 // for int8 ones its k quads, QKB/4 x 64 bytes (signed formats' offset by 128 to bytes); then 16 float
@@ -129,148 +128,6 @@ template <int64_t QK, int C, bool MIN, class X, bool S>
 constexpr WideFn<X> wide_tiles[WIDE_ROWS] = {wide_tile<QK, 1, C, MIN, X, S>, wide_tile<QK, 2, C, MIN, X, S>,
                                              wide_tile<QK, 3, C, MIN, X, S>, wide_tile<QK, 4, C, MIN, X, S>,
                                              wide_tile<QK, 5, C, MIN, X, S>, wide_tile<QK, 6, C, MIN, X, S>};
-
-// The 16 bytes at a and the 16 at b, as one vector.
-inline __m256i both(const uint8_t* a, const uint8_t* b) {
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(load128(a)), load128(b), 1);
-}
-
-template <class F>
-constexpr bool is_bytes = std::is_base_of_v<Bytes<F::qk, true>, F> || std::is_base_of_v<Bytes<F::qk, false>, F>;
-
-// Chunk j of a group's two panels' blocks p0 and p1 as the wide layout's vectors: k pairs 2j (lo) and
-// 2j + 1 (hi) of the 16 features, as unpack_wide writes them. Each format's pairs (panel_formats.h), done
-// for both panels at once on 512 bits.
-template <class F>
-inline void wide_pairs(const uint8_t* p0, const uint8_t* p1, int64_t j, __m512i& lo, __m512i& hi) {
-  if constexpr (std::is_base_of_v<Nibbles, F>) {
-    const __m512i w = _mm512_cvtepu8_epi16(both(p0 + 16 * j, p1 + 16 * j));
-    lo = _mm512_and_si512(w, _mm512_set1_epi16(0x0F));
-    hi = _mm512_srli_epi16(w, 4);
-  } else if constexpr (std::is_base_of_v<Nibbles6, F>) {
-    const __m512i w = _mm512_cvtepu8_epi16(both(p0 + 16 * j, p1 + 16 * j));
-    const __m512i n = _mm512_cvtepu8_epi16(both(p0 + 64 + 16 * (j / 2), p1 + 64 + 16 * (j / 2)));
-    const __m512i high = j & 1 ? _mm512_srli_epi16(n, 4) : _mm512_and_si512(n, _mm512_set1_epi16(0x0F));
-    lo = _mm512_and_si512(w, _mm512_set1_epi16(0x3F));
-    hi = _mm512_or_si512(_mm512_srli_epi16(w, 6), _mm512_slli_epi16(high, 2));
-  } else {
-    static_assert(is_bytes<F>, "a panel format wide_pairs knows");
-    const __m256i a = both(p0 + 32 * j, p1 + 32 * j), b = both(p0 + 32 * j + 16, p1 + 32 * j + 16);
-    if constexpr (F::is_signed) {
-      lo = _mm512_cvtepi8_epi16(a);
-      hi = _mm512_cvtepi8_epi16(b);
-    } else {
-      lo = _mm512_cvtepu8_epi16(a);
-      hi = _mm512_cvtepu8_epi16(b);
-    }
-  }
-}
-
-// [a, b] as one vector (insertf32x8 would need AVX512DQ).
-inline __m512 join(__m256 a, __m256 b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
-}
-
-// Chunk j of two panels' blocks as the int8 wide layout's vector (unpack_wide's): k quads of 16 features.
-template <class F>
-inline __m512i wide_quads(const uint8_t* p0, const uint8_t* p1, int64_t j) {
-  if constexpr (std::is_base_of_v<Nibbles, F>) {  // as quads: (w | w << 4) & 0x0F0F, one ternary op
-    const __m512i w = _mm512_cvtepu8_epi16(both(p0 + 16 * j, p1 + 16 * j));
-    return _mm512_ternarylogic_epi32(w, _mm512_slli_epi16(w, 4), _mm512_set1_epi16(0x0F0F), 0xA8);
-  }
-  __m512i lo, hi;
-  wide_pairs<F>(p0, p1, j, lo, hi);
-  if constexpr (!is_signed_bytes<F>) return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
-  const __m512i q = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi16(0xFF)), _mm512_slli_epi16(hi, 8));
-  return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
-}
-
-// out[r][0..16) for R rows by one group (16 features) of packed panels of F at q, its pairs unpacked in
-// registers: for a few rows, unpacking each group once into memory cost more than the tiles that read it.
-// `ahead`, if not null, is prefetched over the blocks, as in panel_tile.h: the group this thread reads
-// next, when this tile is the first over this group, which a few rows' step reads from memory.
-template <class F, class X, int R>
-void packed_wide_tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd, const float* xs, const int32_t* xt,
-                      int64_t K, float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
-  const uint8_t* q1 = q + panel_bytes<F>(nb);  // the second panel
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr) prefetch_share<F>(ahead, b);
-    const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
-    const int32_t* xb[R];  // each row's block as k pairs (int16) or quads (int8)
-    for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
-    // With one row a block's sum would be one chain of dependent multiply-adds, paced by their latency
-    // below the read bandwidth: there they go to four sums (exact, as integer sums do not depend on how
-    // they are split), as in panel_tile.h.
-    constexpr int CHAINS = R == 1 ? 4 : 1;
-    __m512i sum[R], part[CHAINS];
-    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
-    for (int h = 0; h < CHAINS; ++h) part[h] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int64_t j = 0; j < F::qk / 4; ++j) {
-      if constexpr (is_int8<X>) {
-        const __m512i w = wide_quads<F>(p0, p1, j);
-        if constexpr (CHAINS == 4) part[j % 4] = _mm512_dpbusd_epi32(part[j % 4], w, _mm512_set1_epi32(xb[0][j]));
-        else
-          for (int r = 0; r < R; ++r) sum[r] = _mm512_dpbusd_epi32(sum[r], w, _mm512_set1_epi32(xb[r][j]));
-        continue;
-      }
-      __m512i lo, hi;
-      wide_pairs<F>(p0, p1, j, lo, hi);
-      if constexpr (CHAINS == 4) {
-        part[2 * (j & 1)] = _mm512_dpwssd_epi32(part[2 * (j & 1)], lo, _mm512_set1_epi32(xb[0][2 * j]));
-        part[2 * (j & 1) + 1] = _mm512_dpwssd_epi32(part[2 * (j & 1) + 1], hi, _mm512_set1_epi32(xb[0][2 * j + 1]));
-      } else {
-        for (int r = 0; r < R; ++r)
-          sum[r] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(sum[r], lo, _mm512_set1_epi32(xb[r][2 * j])), hi,
-                                       _mm512_set1_epi32(xb[r][2 * j + 1]));
-      }
-    }
-    if constexpr (CHAINS == 4)
-      sum[0] = _mm512_add_epi32(_mm512_add_epi32(part[0], part[1]), _mm512_add_epi32(part[2], part[3]));
-    if constexpr (is_int8<X> && is_signed_bytes<F>)  // the weights' offset of 128, taken back out
-      for (int r = 0; r < R; ++r) sum[r] = _mm512_sub_epi32(sum[r], _mm512_set1_epi32(128 * xt[r * nb + b]));
-    const __m512 dw = join(F::scales(q, b), F::scales(q1, b)), mw = join(F::mins(q, b), F::mins(q1, b));
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), acc[r]);
-      if (F::has_min) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if (width >= 16) _mm512_storeu_ps(out + r * ldo, acc[r]);
-    else _mm512_mask_storeu_ps(out + r * ldo, (__mmask16)((1u << width) - 1), acc[r]);
-  }
-}
-
-constexpr int PACKED_ROWS = 8;  // rows a packed tile: 8 int32 sums and 8 float sums in registers
-template <class X>
-using PackedFn = void (*)(const uint8_t*, int64_t, const X*, const float*, const float*, const int32_t*, int64_t, float*,
-                          int64_t, int64_t, const uint8_t*);
-template <class F, class X>
-constexpr PackedFn<X> packed_tiles[PACKED_ROWS] = {
-    packed_wide_tile<F, X, 1>, packed_wide_tile<F, X, 2>, packed_wide_tile<F, X, 3>, packed_wide_tile<F, X, 4>,
-    packed_wide_tile<F, X, 5>, packed_wide_tile<F, X, 6>, packed_wide_tile<F, X, 7>, packed_wide_tile<F, X, 8>};
-
-// out [M, N] = x [M, K] by the N-feature weight held as panels of F, a group (16 features) at a time,
-// unpacked in registers by every tile of rows.
-template <class F, class X>
-void packed_wide_linear(const QuantizedRows<X>& x, int64_t M, int64_t K, int64_t N, const uint8_t* panels, float* out,
-                        int64_t ldo) {
-  const int64_t nb = K / F::qk, groups = panel_count(N) / GROUP, group_bytes = GROUP * panel_bytes<F>(nb);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t col = g * GROUP * PANEL, width = std::min<int64_t>(GROUP * PANEL, N - col);
-      for (int64_t r = 0; r < M; r += PACKED_ROWS) {
-        const int64_t rows = std::min<int64_t>(PACKED_ROWS, M - r);
-        // past the weight's end a prefetch is only wasted, never a fault
-        const uint8_t* ahead = r == 0 ? panels + (g + PREFETCH_GROUPS) * group_bytes : nullptr;
-        packed_tiles<F, X>[rows - 1](panels + g * group_bytes, nb, x.q + r * K, x.d + r * nb, x.s + r * nb, x.t + r * nb,
-                                     K, out + r * ldo + col, ldo, width, ahead);
-      }
-    }
-  });
-}
 
 // out [M, N] = x [M, K] by the N-feature weight held as panels of F, two groups (32 features) a tile.
 template <class F, class X>

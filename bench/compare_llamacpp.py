@@ -14,10 +14,10 @@ llama-quantize (made once, beside it), or the random-weight 1B/3B files of bench
 - long: 32 conversations with 2,000-token histories, each history sent once first (untimed), then all
   32 decode 64 tokens together (output tok/s, ITL).
 kvserve runs with `--speculative off` unless --speculative is given, so that both decode one token a
-step; bench/speculation.py measures what drafting adds. The machine's read bandwidth is measured in the
-same run (bench/bandwidth.py): one stream's weight bytes per token times its tok/s, over that, is the
-fraction of the memory bus it uses. Prints JSON:
-every run, the medians, and kvserve / llama-server for each figure.
+step; bench/speculation.py measures what drafting adds. The machine's read bandwidth is measured at the start
+of each round, both servers idle (bench/bandwidth.py): one stream's weight bytes per token times its
+tok/s, over that round's bandwidth, is the fraction of the memory bus it uses (the median of the rounds').
+Prints JSON: every run, the medians, and kvserve / llama-server for each figure.
 """
 from __future__ import annotations
 
@@ -178,8 +178,8 @@ def main() -> int:
         ap.error(f"unknown loads {sorted(unknown)}; choose from {','.join(LOADS)}")
     binary = args.llama_server or build()
     gguf = compared_file(args.file)
-    read = bandwidth.measure(threads=(args.threads,))[str(args.threads)]
     runs: dict[str, list[dict]] = {"kvserve": [], "llama-server": []}
+    reads: list[float] = []  # GB/s, once a round with both servers idle: the machine's bandwidth drifts
     with contextlib.ExitStack() as stack:
         serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
         urls = {"kvserve": stack.enter_context(launched_server(str(gguf), serve_args)),
@@ -189,6 +189,7 @@ def main() -> int:
         for rnd in range(args.rounds):
             order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
             results = {name: {} for name in urls}
+            reads.append(bandwidth.measure(threads=(args.threads,))[str(args.threads)])
             for load in loads:
                 for name in order:
                     results[name].update(RUNNERS[load](urls[name], args, rnd))
@@ -197,11 +198,13 @@ def main() -> int:
                 runs[name].append(results[name])
     med = {name: medians(r) for name, r in runs.items()}
     report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "machine": cpu_name(), "threads": args.threads,
-              "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": read, "runs": runs, "median": med,
+              "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": reads, "runs": runs, "median": med,
               "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
-    one = med["kvserve"].get("1_streams", {}).get("output_tok_s")
-    if one:  # a token reads every weight once: the GGUF's bytes, the lm_head included
-        report["one_stream_fraction_of_bandwidth"] = round(gguf.stat().st_size * one / (read * 1e9), 3)
+    ones = [run.get("1_streams", {}).get("output_tok_s") for run in runs["kvserve"]]
+    if all(ones):  # a token reads every weight once: the GGUF's bytes, the lm_head included; each round's own bandwidth
+        fractions = [gguf.stat().st_size * one / (read * 1e9) for one, read in zip(ones, reads)]
+        report["one_stream_fraction_of_bandwidth"] = round(statistics.median(fractions), 3)
+        report["one_stream_fraction_runs"] = [round(f, 3) for f in fractions]
     print(json.dumps(report, indent=2))
     failed = sum(f.get("failed", 0) for r in runs.values() for run in r for f in run.values())
     return 0 if failed == 0 else 1

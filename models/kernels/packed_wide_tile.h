@@ -1,9 +1,10 @@
 // The few-row path of quant_matmul.cpp on CPUs with AVX512-VNNI: tiles of up to 8 rows that read the
 // packed panels (panel_formats.h) and unpack each group's chunks in registers, since unpacking a group
 // once into memory (wide_tile.h) costs more than a few rows' tiles save. Such a step streams its weights
-// from memory, so the tiles prefetch the groups ahead, and the one-row tiles spend as few instructions a
-// byte as they can. Included once, inside the AVX-512 namespace, after wide_tile.h; each output lane gets
-// the same float operations in the same order as on every other path (the integer sums are exact).
+// from memory, so the tiles prefetch ahead of their reads, and the one-row tiles spend as few
+// instructions a byte as they can. Included once, inside the AVX-512 namespace, after wide_tile.h; each
+// output lane gets the same float operations in the same order as on every other path (the integer sums
+// are exact).
 
 // The 16 bytes at a and the 16 at b, as one vector.
 inline __m256i both(const uint8_t* a, const uint8_t* b) {
@@ -174,19 +175,36 @@ inline __m512i one_row_sums(const uint8_t* p0, const uint8_t* p1, const int8_t* 
   return lane_sums(acc[0], acc[1], acc[2], acc[3]);
 }
 
+// How far ahead of a streaming tile's reads it prefetches, in each of its two panels.
+constexpr int64_t PREFETCH_BYTES = 2048;
+
+// Prefetch block b's share of each of the group's two panels at q (`panel` bytes each), PREFETCH_BYTES
+// ahead: past a panel's end, in the same panel of the next group. The prefetches follow the two streams
+// the tile reads, where prefetching the next groups whole made two streams more for the memory to serve.
+// Past the weight's end a prefetch is only wasted, never a fault.
+template <class F>
+inline void prefetch_streams(const uint8_t* q, int64_t panel, int64_t b) {
+  for (int64_t at = (b * F::bytes / F::sub) & ~int64_t{63}; at < (b + 1) * F::bytes / F::sub; at += 64) {
+    const int64_t to = at + PREFETCH_BYTES + (at + PREFETCH_BYTES >= panel ? panel : 0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + to), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + panel + to), _MM_HINT_T0);
+  }
+}
+
 // out[r][0..16) for R rows by one group (16 features) of packed panels of F at q, its pairs unpacked in
 // registers: for a few rows, unpacking each group once into memory cost more than the tiles that read it.
-// `ahead`, if not null, is prefetched over the blocks, as in panel_tile.h: the group this thread reads
-// next, when this tile is the first over this group, which a few rows' step reads from memory.
+// `stream`: this tile is the first over this group, which a few rows' step reads from memory, so it
+// prefetches ahead of its reads.
 template <class F, class X, int R>
 void packed_wide_tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd, const float* xs, const int32_t* xt,
-                      int64_t K, float* out, int64_t ldo, int64_t width, const uint8_t* ahead) {
-  const uint8_t* q1 = q + panel_bytes<F>(nb);  // the second panel
+                      int64_t K, float* out, int64_t ldo, int64_t width, bool stream) {
+  const int64_t panel = panel_bytes<F>(nb);
+  const uint8_t* q1 = q + panel;  // the second panel
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   typename WideFields<F>::Unit unit{};
   for (int64_t b = 0; b < nb; ++b) {
-    if (ahead != nullptr) prefetch_share<F>(ahead, b);
+    if (stream) prefetch_streams<F>(q, panel, b);
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     const int32_t* xb[R];  // each row's block as k pairs (int16) or quads (int8)
     for (int r = 0; r < R; ++r) xb[r] = reinterpret_cast<const int32_t*>(xq + r * K + b * F::qk);
@@ -239,7 +257,7 @@ void packed_wide_tile(const uint8_t* q, int64_t nb, const X* xq, const float* xd
 constexpr int PACKED_ROWS = 8;  // rows a packed tile: 8 int32 sums and 8 float sums in registers
 template <class X>
 using PackedFn = void (*)(const uint8_t*, int64_t, const X*, const float*, const float*, const int32_t*, int64_t, float*,
-                          int64_t, int64_t, const uint8_t*);
+                          int64_t, int64_t, bool);
 template <class F, class X>
 constexpr PackedFn<X> packed_tiles[PACKED_ROWS] = {
     packed_wide_tile<F, X, 1>, packed_wide_tile<F, X, 2>, packed_wide_tile<F, X, 3>, packed_wide_tile<F, X, 4>,
@@ -256,10 +274,8 @@ void packed_wide_linear(const QuantizedRows<X>& x, int64_t M, int64_t K, int64_t
       const int64_t col = g * GROUP * PANEL, width = std::min<int64_t>(GROUP * PANEL, N - col);
       for (int64_t r = 0; r < M; r += PACKED_ROWS) {
         const int64_t rows = std::min<int64_t>(PACKED_ROWS, M - r);
-        // past the weight's end a prefetch is only wasted, never a fault
-        const uint8_t* ahead = r == 0 ? panels + (g + PREFETCH_GROUPS) * group_bytes : nullptr;
         packed_tiles<F, X>[rows - 1](panels + g * group_bytes, nb, x.q + r * K, x.d + r * nb, x.s + r * nb, x.t + r * nb,
-                                     K, out + r * ldo + col, ldo, width, ahead);
+                                     K, out + r * ldo + col, ldo, width, r == 0);
       }
     }
   });

@@ -48,7 +48,7 @@ constexpr int64_t PANEL = 8;         // output features per panel (one int32 lan
 constexpr int64_t ROWS = 3;          // activation rows per tile
 constexpr int64_t GROUP = 2;         // panels per tile
 constexpr int64_t ROW_CHUNK = 128;   // activation rows kept in L2 while a thread walks its panels
-constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass tile prefetches
+constexpr int64_t PREFETCH_GROUPS = 2;  // how many groups ahead a one-pass panel tile prefetches
 // Where the CPU has AVX-512 with VNNI, the wide tiles (wide_tile.h) run at every row count: twice the
 // multiply-adds an instruction, and half the instructions to unpack a panel's bytes, which a one-row
 // step's stream of weights also spends less time on. The 256-bit panel tiles serve the other CPUs.

@@ -2,12 +2,12 @@
 the multiply-adds. Prints JSON.
 
     python bench/linear_blocks.py [--formats Q4_K,Q6_K,Q4_0,Q8_0] [--rows 1,4,8,32] [--copies 12]
-                                  [--activations int16,int8]
+                                  [--activations int16,int8] [--shape N,K]
 
 Each format holds a 1B model's FFN weight of random blocks (8192 x 2048; Q6_K as the down projection,
 2048 x 8192), `--copies` of it, so that a pass over them all reads from memory rather than the cache
-(`--copies 1`: from the cache, what the arithmetic alone allows). A figure is the best of 20 passes:
-microseconds a product, and the weight bytes it read a second.
+(`--copies 1 --shape 1024,1024 --threads 1`: from one core's L2, what the arithmetic alone allows). A
+figure is the best of 20 passes: microseconds a product, and the weight bytes it read a second.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--activations", default="int16", help="int16, int8 or both (comma-separated), in turns")
+    ap.add_argument("--shape", default=None, help="rows,k of every format's weight instead of a 1B model's")
     args = ap.parse_args()
     if not model_kernels_available():
         raise SystemExit("the kernels are unavailable here (kvserve kernels builds them)")
@@ -43,7 +44,7 @@ def main() -> int:
     rng = np.random.default_rng(0)
     out = {}
     for name in args.formats.split(","):
-        n, k = SHAPES.get(name, (8192, 2048))
+        n, k = tuple(int(v) for v in args.shape.split(",")) if args.shape else SHAPES.get(name, (8192, 2048))
         raw = torch.from_numpy(random_blocks(name, n, k, rng).copy()).reshape(n, -1)
         fmt = FORMATS[name]
         weights = [fmt.panels(lambda r0, r1: raw[r0:r1], n) for _ in range(args.copies)]

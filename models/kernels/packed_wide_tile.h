@@ -161,8 +161,8 @@ inline __m512i one_row_sums(const uint8_t* p0, const uint8_t* p1, const int8_t* 
         hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       } else {  // 6 bits, k 4j + e; the 2 bits above them and, from the chunk pair's nibbles, 4 more: k 4j + 2 + e
         // the nibbles of chunks 0 and 1 (lanes 0 and 1), then of 2 and 3; each lane's nibble to bits 2-5
-        const __m512i n = _mm512_shuffle_i64x2(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64))),
-                                               _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64))), 0x50);
+        const __m512i pair = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)));
+        const __m512i n = _mm512_shuffle_i64x2(pair, pair, 0x50);
         const __m512i high = _mm512_rolv_epi32(n, _mm512_setr_epi32(2, 2, 2, 2, 30, 30, 30, 30, 2, 2, 2, 2, 30, 30, 30, 30));
         const __m512i two = _mm512_and_si512(_mm512_srli_epi16(v, 6), _mm512_set1_epi8(0x03));
         lo = _mm512_and_si512(v, _mm512_set1_epi8(0x3F));

@@ -14,9 +14,12 @@ llama-quantize (made once, beside it), or the random-weight 1B/3B files of bench
 - long: 32 conversations with 2,000-token histories, each history sent once first (untimed), then all
   32 decode 64 tokens together (output tok/s, ITL).
 kvserve runs with `--speculative off` unless --speculative is given, so that both decode one token a
-step; bench/speculation.py measures what drafting adds. The machine's read bandwidth is measured at the start
-of each round, both servers idle (bench/bandwidth.py): one stream's weight bytes per token times its
-tok/s, over that round's bandwidth, is the fraction of the memory bus it uses (the median of the rounds').
+step; bench/speculation.py measures what drafting adds. Just before each server's one-stream load, both
+servers idle, the bus is measured as the median rate of summing a tensor the size of the file
+(bench/bandwidth.py `typical`): the file's bytes (a token reads every weight once) over the stream's median
+inter-token latency, divided by that, is the fraction of the bus a step reads at (each round's, and their
+median; the same with output tok/s, which holds the prompts' prefill too, as `..._with_prefill`). The
+best rate of the round's 256 MiB sums is kept beside them (`read_gb_s`).
 Prints JSON: every run, the medians, and kvserve / llama-server for each figure.
 """
 from __future__ import annotations
@@ -65,9 +68,12 @@ def streams(url: str, args, rnd: int) -> dict:
     out = {}
     for c in (1, 8, 32):
         n, length = (4, 128) if c == 1 else (2 * c, 64)
+        bus = bandwidth.typical(args.file_bytes, args.threads) if c == 1 else None  # the bus in this minute
         report = asyncio.run(run_level(url, SERVED, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
         out[f"{c}_streams"] = {"output_tok_s": report["output_tok_s"], "itl_p50_ms": report["itl_ms"].get("p50"),
                                "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"]}
+        if bus:
+            out["1_streams"]["read_gb_s"] = bus
     return out
 
 
@@ -133,7 +139,7 @@ def ratios(kv: dict, ls: dict) -> dict:
     for load, figs in kv.items():
         for key, value in figs.items():
             other = ls.get(load, {}).get(key)
-            if not other or not value or key in ("failed", "prompt_tokens", "history_tokens"):
+            if not other or not value or key in ("failed", "prompt_tokens", "history_tokens", "read_gb_s"):
                 continue
             out[f"{load}.{key}"] = round(other / value if key.endswith("_ms") else value / other, 2)
     return out
@@ -178,6 +184,7 @@ def main() -> int:
         ap.error(f"unknown loads {sorted(unknown)}; choose from {','.join(LOADS)}")
     binary = args.llama_server or build()
     gguf = compared_file(args.file)
+    args.file_bytes = gguf.stat().st_size
     runs: dict[str, list[dict]] = {"kvserve": [], "llama-server": []}
     reads: list[float] = []  # GB/s, once a round with both servers idle: the machine's bandwidth drifts
     with contextlib.ExitStack() as stack:
@@ -200,11 +207,14 @@ def main() -> int:
     report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "machine": cpu_name(), "threads": args.threads,
               "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": reads, "runs": runs, "median": med,
               "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
-    ones = [run.get("1_streams", {}).get("output_tok_s") for run in runs["kvserve"]]
-    if all(ones):  # a token reads every weight once: the GGUF's bytes, the lm_head included; each round's own bandwidth
-        fractions = [gguf.stat().st_size * one / (read * 1e9) for one, read in zip(ones, reads)]
-        report["one_stream_fraction_of_bandwidth"] = round(statistics.median(fractions), 3)
-        report["one_stream_fraction_runs"] = [round(f, 3) for f in fractions]
+    for name, rs in runs.items():  # a token reads every weight once: the GGUF's bytes, the lm_head included
+        ones = [run.get("1_streams", {}) for run in rs]
+        if ones and all(o.get("itl_p50_ms") and o.get("read_gb_s") for o in ones):
+            step = [args.file_bytes / (o["itl_p50_ms"] / 1e3) / (o["read_gb_s"] * 1e9) for o in ones]
+            whole = [args.file_bytes * o["output_tok_s"] / (o["read_gb_s"] * 1e9) for o in ones]
+            report[f"{name}_one_stream_fraction_of_bandwidth"] = round(statistics.median(step), 3)
+            report[f"{name}_one_stream_fraction_runs"] = [round(f, 3) for f in step]
+            report[f"{name}_one_stream_fraction_with_prefill"] = round(statistics.median(whole), 3)
     print(json.dumps(report, indent=2))
     failed = sum(f.get("failed", 0) for r in runs.values() for run in r for f in run.values())
     return 0 if failed == 0 else 1

@@ -2,7 +2,7 @@
 alike. Prints JSON.
 
     python bench/greedy_agreement.py [--files Q4_1,Q4_0,Q4_K_M,Q8_0] [--prompts 16] [--tokens 64]
-                                     [--activations int16]
+                                     [--activations int8]
 
 For each file (named as bench/compare_llamacpp.py's --file names them), both servers answer the same
 prompts greedily, and give the token ids: kvserve's TGI `/generate` with `details`, llama-server's
@@ -10,8 +10,8 @@ prompts greedily, and give the token ids: kvserve's TGI `/generate` with `detail
 a file's, its mean and median, and the share of prompts whose replies are the same throughout; each
 server is also set beside kvserve's `--weights f32` on the same file (the file's weights dequantized,
 float32 throughout), which shows which of the two strays from the exact product. Float
-rounding differs between any two kernels (kvserve sums its int16 activations' products exactly, llama.cpp
-rounds its activations to int8), so replies part where two candidates' logits were nearly tied, and each
+rounding differs between any two kernels (both round activations to int8 by their own blocks; kvserve's
+--activations int16 sums products all but exactly), so replies part where two candidates' logits were nearly tied, and each
 follows its own text after that.
 """
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--activations", default="int16", help="kvserve's --activations (the f32 reference has none)")
+    ap.add_argument("--activations", default="int8", help="kvserve's --activations (the f32 reference has none)")
     args = ap.parse_args()
     binary = build()
     rng = random.Random(args.seed)

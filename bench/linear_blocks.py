@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,8,32")
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--activations", default="int16", help="int16, int8 or both (comma-separated), in turns")
+    ap.add_argument("--activations", default="int8", help="int8, int16 or both (comma-separated), in turns")
     ap.add_argument("--shape", default=None, help="rows,k of every format's weight instead of a 1B model's")
     args = ap.parse_args()
     if not model_kernels_available():
@@ -60,7 +60,7 @@ def main() -> int:
                     for w in weights:
                         torch.ops.kvserve_native.linear_blocks(x, [w], [n], [kind])
                     best = min(best, (time.perf_counter() - start) / len(weights))
-                key = f"{name} x{m}" + ("" if acts == "int16" else f" {acts}")
+                key = f"{name} x{m} {acts}"
                 out[key] = {"us": round(best * 1e6, 1), "read_gb_s": round(weights[0].numel() / best / 1e9, 1)}
     print(json.dumps({"threads": args.threads, "copies": args.copies, "products": out}, indent=2))
     return 0

@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--weights", default="auto", choices=["auto", *WEIGHT_MODES])
-    ap.add_argument("--activations", default="int16", choices=ACTIVATIONS, help="as kvserve serve --activations")
+    ap.add_argument("--activations", default=ACTIVATIONS[0], choices=ACTIVATIONS, help="as kvserve serve --activations")
     ap.add_argument("--kv-dtype", default="auto", choices=KV_DTYPES, help="as kvserve serve --kv-dtype")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=128, help="history length of each decoding session")

@@ -2,7 +2,7 @@
 Prints JSON.
 
     python bench/perplexity.py [--files Q4_1,Q4_0,Q4_K_M,Q8_0] [--text /usr/share/common-licenses/GPL-3]
-                               [--activations int16,int8]
+                               [--activations int8,int16]
 
 llama-perplexity's method, repeated through kvserve's HTTP API: the text is tokenized once (llama-server's
 /tokenize on the same file, so both score the same ids), cut into chunks of --ctx tokens, and each chunk
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--activations", default="int16", help="kvserve's --activations, one column each (int16,int8)")
+    ap.add_argument("--activations", default="int8", help="kvserve's --activations, one column each (int8,int16)")
     args = ap.parse_args()
     text = Path(args.text)
     rows = []
@@ -67,7 +67,7 @@ def main() -> None:
         ids = token_ids(path, text.read_text())
         row = {"file": path.name, "tokens": len(ids), "llama_perplexity": llama_perplexity(path, text, args.ctx, args.threads)}
         for acts in args.activations.split(","):
-            name = "kvserve" if acts == "int16" else f"kvserve_{acts}"
+            name = f"kvserve_{acts}"
             row[name] = round(kvserve_perplexity(path, ids, args.ctx, acts), 4)
             row[f"{name}_over_llama"] = round(row[name] / row["llama_perplexity"], 4)
         print(json.dumps(row), file=sys.stderr, flush=True)

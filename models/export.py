@@ -57,7 +57,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype
     weights: str = "f32"
-    activations: str = "int16"  # how block-format products quantize their activations (quant.ACTIVATIONS)
+    activations: str = ACTIVATIONS[0]  # how block-format products quantize their activations (quant.ACTIVATIONS)
     fingerprint: str = ""  # a hash of the artifact's program, weights, config and tokenizer: what its KV depends on
     held: tuple[tuple[str, int], ...] = ()  # tensors by type, as held: (("Q4_K", 97), ("F32", 33), ...)
     held_bytes: int = 0  # the weights' bytes in memory
@@ -117,17 +117,22 @@ def _is_blocks(w: Weight) -> bool:
     return all(isinstance(p, StoredTensor) and not p.is_float for p in parts)
 
 
+def activations_for(weights: str, activations: str) -> str:
+    """`activations` as a weight mode's products take it: f32 and f16 weights multiply in float ("float"),
+    whatever was asked, so that no mode is refused the default (int8)."""
+    if activations not in ACTIVATIONS and not (activations == "float" and weights in ("f32", "f16")):
+        raise ModelLoadError(f"unsupported activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
+    return "float" if weights in ("f32", "f16") else activations
+
+
 def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtype, weights: str = "f32",
-                activations: str = "int16") -> Transformer:
+                activations: str = ACTIVATIONS[0]) -> Transformer:
     """Construct on the meta device, then assign the loaded weights (no double allocation). In the stored
     mode a file's block-format matrices become panels of their own format, chunk by chunk; float ones keep
     their dtype. Other modes read every weight as float32 first."""
     if weights not in WEIGHT_MODES:
         raise ModelLoadError(f"unsupported weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
-    if activations not in ACTIVATIONS:
-        raise ModelLoadError(f"unsupported activations {activations!r}; choose one of {', '.join(ACTIVATIONS)}")
-    if activations != "int16" and weights in ("f32", "f16"):
-        raise ModelLoadError(f"{activations} activations are for block-format weights; {weights} weights multiply in float")
+    activations = activations_for(weights, activations)
     stored = weights == "stored" and dtype == torch.float32
     state = fuse_projections(state, config)
     with torch.device("meta"):
@@ -220,7 +225,7 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
 
 def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str,
                   weights: str = "f32", held: tuple[tuple[str, int], ...] = (), held_bytes: int = 0,
-                  activations: str = "int16") -> None:
+                  activations: str = ACTIVATIONS[0]) -> None:
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.

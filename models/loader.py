@@ -14,10 +14,10 @@ from . import export as export_mod
 from .compiled_program import Program
 from .catalog import NAMED_MODELS, cache_dir, fetch
 from .errors import ModelLoadError
-from .export import LoadedModel, build_model, export_program, is_artifact, load_artifact, save_artifact
+from .export import LoadedModel, activations_for, build_model, export_program, is_artifact, load_artifact, save_artifact
 from .gguf_loader import read_gguf
 from .hf_loader import read_hf
-from .quant import REQUANTIZE, model_kernels_available
+from .quant import ACTIVATIONS, REQUANTIZE, model_kernels_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -51,7 +51,7 @@ def read_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False):
 
 
 def export_checkpoint(path: Path, dtype: torch.dtype, progress: bool = False, weights: str = "f32",
-                      activations: str = "int16"):
+                      activations: str = ACTIVATIONS[0]):
     """-> (exported program, config, tokenizer, (held types, held bytes)) for a .gguf file or HF folder."""
     config, state, tokenizer = read_checkpoint(path, dtype, progress)
     if weights in REQUANTIZE or (weights in ("f16", "f32") and path.is_file()):
@@ -80,7 +80,7 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str, activations: str) 
 
 
 def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32",
-               trust_artifact: bool = False, compiled: bool = True, activations: str = "int16") -> LoadedModel:
+               trust_artifact: bool = False, compiled: bool = True, activations: str = ACTIVATIONS[0]) -> LoadedModel:
     """Load an artifact as is (its program only if kvserve exported it, or `trust_artifact`); export a
     checkpoint once and keep the artifact in the cache folder. With `compiled`, an artifact's compiled
     package runs where it has one (models/compiled_program.py)."""
@@ -91,6 +91,7 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     if path.is_dir() and is_artifact(path):
         return load_artifact(path, trusted=trust_artifact, compiled=compiled)
     torch_dtype = DTYPES[dtype]
+    activations = activations_for(weights, activations)
     cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights, activations)
     if use_cache and is_artifact(cached):
         try:  # named as asked now: the cached export may have been made under another name for the same file

@@ -34,10 +34,12 @@ from .stored import StoredTensor
 from .weight_memory import empty_weight
 
 WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
-# How block-format products quantize their activations, per block of 32 (16 for Q6_K): int16 keeps greedy
-# tokens the float model's; int8 is llama.cpp's precision, at twice the multiply-adds an instruction (the
-# batched and prefill steps, which the multiply-adds bound, run faster).
-ACTIVATIONS = ("int16", "int8")
+# How block-format products quantize their activations, per block of 32 (16 for Q6_K): int8 is llama.cpp's
+# precision (its perplexity), at twice the multiply-adds an instruction, so the batched and prefill steps,
+# which the multiply-adds bound, run faster; int16 keeps greedy tokens the float model's. The first is the
+# default.
+ACTIVATIONS = ("int8", "int16")
+
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
 FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}  # torch.float16 -> "F16"
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp",

@@ -32,8 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "AVX2 kernel; where the kernels cannot build, f16. Requantizing only when asked: f32 (the exact "
                         "reference), f16, q4 (Q4_1), q4_0, q8_0")
     p.add_argument("--activations", default=ACTIVATIONS[0], choices=ACTIVATIONS,
-                   help="how block-format products quantize their activations: int16 keeps greedy tokens the float "
-                        "model's; int8, llama.cpp's precision, runs batched and prefill steps faster")
+                   help="how block-format products quantize their activations: int8, llama.cpp's precision (its "
+                        "perplexity); int16 keeps greedy tokens the float model's, and runs batched and prefill steps "
+                        "slower. f32 and f16 weights multiply in float either way")
     p.add_argument("--trust-artifact", action="store_true",
                    help="run an artifact folder's program.py although kvserve did not export it here (it is code)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -171,15 +172,16 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from models.export import save_artifact
+    from models.export import activations_for, save_artifact
     from models.loader import DTYPES, export_checkpoint, resolve, resolve_weights
 
     start = time.time()
     weights = resolve_weights(args.weights)
+    activations = activations_for(weights, args.activations)
     program, config, tokenizer, held = export_checkpoint(resolve(args.model), DTYPES[args.dtype], progress=True, weights=weights,
-                                                         activations=args.activations)
+                                                         activations=activations)
     save_artifact(Path(args.out), program, config, tokenizer, DTYPES[args.dtype], name=args.model, weights=weights,
-                  held=held[0], held_bytes=held[1], activations=args.activations)
+                  held=held[0], held_bytes=held[1], activations=activations)
     print(f"exported {args.model} to {args.out} in {time.time() - start:.1f}s", file=sys.stderr)
     return 0
 

@@ -142,7 +142,7 @@ def test_instructor_nested_model_in_one_request(fast_server, mode):
         assert completion.choices[0].message.tool_calls[0].function.name == "User"
     else:
         assert sent[0]["response_format"]["type"] == "json_schema"
-    assert completion.usage.completion_tokens < 100
+    assert completion.choices[0].finish_reason in ("stop", "tool_calls")  # the constraint closed it
 
 
 @pytest.mark.timeout(120)

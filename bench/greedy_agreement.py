@@ -11,8 +11,8 @@ a file's, its mean and median, and the share of prompts whose replies are the sa
 server is also set beside kvserve's `--weights f32` on the same file (the file's weights dequantized,
 float32 throughout), which shows which of the two strays from the exact product. Float
 rounding differs between any two kernels (both round activations to int8 by their own blocks; kvserve's
---activations int16 sums products all but exactly), so replies part where two candidates' logits were nearly tied, and each
-follows its own text after that.
+--activations int16 sums products all but exactly), so replies part where two candidates' logits were
+nearly tied, and each follows its own text after that.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
     stored  (--weights auto) every weight as its file stores it: a GGUF's block formats as panels
             (formats/), each multiplied by its own kernel of kernels/quant_matmul.cpp
-            (kvserve_native::linear_blocks, int16 activations, or int8 under --activations int8);
+            (kvserve_native::linear_blocks, int8 activations, or int16 under --activations int16);
             float weights by the float kernels
     f32     float32 weights, kernels/linear_f32.cpp (kvserve_native::linear_f32), whose every output
             sums in one order whatever the batch (nn.Linear's BLAS does not); the reference

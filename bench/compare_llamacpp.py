@@ -68,12 +68,10 @@ def streams(url: str, args, rnd: int) -> dict:
     out = {}
     for c in (1, 8, 32):
         n, length = (4, 128) if c == 1 else (2 * c, 64)
-        bus = bandwidth.typical(args.file_bytes, args.threads) if c == 1 else None  # the bus in this minute
+        bus = {"read_gb_s": bandwidth.typical(args.file_bytes, args.threads)} if c == 1 else {}  # in this minute
         report = asyncio.run(run_level(url, SERVED, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
         out[f"{c}_streams"] = {"output_tok_s": report["output_tok_s"], "itl_p50_ms": report["itl_ms"].get("p50"),
-                               "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"]}
-        if bus:
-            out["1_streams"]["read_gb_s"] = bus
+                               "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"], **bus}
     return out
 
 

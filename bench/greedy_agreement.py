@@ -31,6 +31,8 @@ from compare_llamacpp import compared_file, distinct_text  # noqa: E402
 from launch import launched_server  # noqa: E402
 from llama_server import build, llama_server  # noqa: E402
 
+from models.quant import ACTIVATIONS  # noqa: E402
+
 
 def kvserve_ids(url: str, prompt: str, tokens: int) -> list[int]:
     body = {"inputs": prompt, "parameters": {"max_new_tokens": tokens, "details": True, "do_sample": False}}
@@ -60,7 +62,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--activations", default="int8", help="kvserve's --activations (the f32 reference has none)")
+    ap.add_argument("--activations", default=ACTIVATIONS[0], help="kvserve's --activations (the f32 reference has none)")
     args = ap.parse_args()
     binary = build()
     rng = random.Random(args.seed)

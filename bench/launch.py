@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from models.quant import ACTIVATIONS
 from server.local import free_port, stop, wait_healthy
 
 
@@ -23,7 +24,7 @@ def running(cmd: list[str], port: int, timeout: float, **popen):
         stop([proc], timeout=120)
 
 
-def compiled(model: str, activations: str = "int8") -> None:
+def compiled(model: str, activations: str) -> None:
     """`model`'s artifact and its compiled program, made before a measured server starts: `kvserve serve`
     makes what is missing in the background, and its first minute would run program.py beside a compile
     that takes one of the two cores."""
@@ -36,7 +37,7 @@ def compiled(model: str, activations: str = "int8") -> None:
 
 def launched_server(model: str, extra: list[str] | None = None, timeout: float = 600):
     extra = extra or []
-    compiled(model, extra[extra.index("--activations") + 1] if "--activations" in extra else "int8")
+    compiled(model, extra[extra.index("--activations") + 1] if "--activations" in extra else ACTIVATIONS[0])
     port = free_port()
     cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *extra]
     return running(cmd, port, timeout, stdout=subprocess.DEVNULL)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models.formats import FORMATS  # noqa: E402
 from models.formats.panels import INT8_ACTIVATIONS  # noqa: E402
-from models.quant import model_kernels_available  # noqa: E402
+from models.quant import ACTIVATIONS, model_kernels_available  # noqa: E402
 from tests.models.gguf_files import random_blocks  # noqa: E402
 
 SHAPES = {"Q6_K": (2048, 8192)}  # rows x k; the others: (8192, 2048)
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--rows", default="1,4,8,32")
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--activations", default="int8", help="int8, int16 or both (comma-separated), in turns")
+    ap.add_argument("--activations", default=ACTIVATIONS[0], help="int8, int16 or both (comma-separated), in turns")
     ap.add_argument("--shape", default=None, help="rows,k of every format's weight instead of a 1B model's")
     args = ap.parse_args()
     if not model_kernels_available():

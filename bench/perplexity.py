@@ -27,6 +27,8 @@ from compare_llamacpp import SERVED, compared_file  # noqa: E402
 from launch import launched_server  # noqa: E402
 from llama_server import build, llama_server, tool  # noqa: E402
 
+from models.quant import ACTIVATIONS  # noqa: E402
+
 
 def llama_perplexity(path: Path, text: Path, ctx: int, threads: int) -> float:
     done = subprocess.run([str(tool("llama-perplexity")), "-m", str(path), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
@@ -58,7 +60,7 @@ def main() -> None:
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--activations", default="int8", help="kvserve's --activations, one column each (int8,int16)")
+    ap.add_argument("--activations", default=ACTIVATIONS[0], help="kvserve's --activations, one column each (int8,int16)")
     args = ap.parse_args()
     text = Path(args.text)
     rows = []

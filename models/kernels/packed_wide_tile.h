@@ -2,7 +2,7 @@
 // packed panels (panel_formats.h) and unpack each group's chunks in registers, since unpacking a group
 // once into memory (wide_tile.h) costs more than a few rows' tiles save. Such a step streams its weights
 // from memory, so the tiles prefetch ahead of their reads, and the one-row tiles spend as few
-// instructions a byte as they can. Included once, inside the AVX-512 namespace, after wide_tile.h; each
+// instructions a byte as they can. Included once, inside the AVX-512 namespace, before wide_tile.h; each
 // output lane gets the same float operations in the same order as on every other path (the integer sums
 // are exact).
 

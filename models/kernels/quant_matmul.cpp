@@ -178,8 +178,8 @@ int64_t panel_count(int64_t N) { return (N + GROUP * PANEL - 1) / (GROUP * PANEL
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
 namespace wide {
-#include "wide_tile.h"
 #include "packed_wide_tile.h"
+#include "wide_tile.h"
 }  // namespace wide
 #pragma GCC pop_options
 

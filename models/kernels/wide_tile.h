@@ -1,7 +1,8 @@
 // The wide path of quant_matmul.cpp, for CPUs with AVX512-VNNI, from 16 rows: a chunk of rows against
 // panels unpacked to int16 pairs (vpdpwssd) or, for int8 activations, byte quads (vpdpbusd), 16 features
-// a 512-bit vector. Included there once, inside a namespace compiled for AVX-512; the includer defines
-// the panel formats, GROUP, PANEL, panel_bytes, prefetch_share, is_int8 and QuantizedRows.
+// a 512-bit vector. Included there once, inside a namespace compiled for AVX-512, after
+// packed_wide_tile.h; the includer defines the panel formats, GROUP, PANEL, panel_bytes, is_int8 and
+// QuantizedRows.
 //
 // Why: from a few rows on, the step is bound by the multiply-adds, and vpdpwssd on 512 bits does twice
 // the work of the 256-bit tile an instruction. With many rows the panels' bytes are unpacked once per
@@ -20,36 +21,31 @@ template <int64_t QKB, class X>
 constexpr int64_t wide_block = wide_quants<QKB, X> + 2 * 64;
 constexpr int WIDE_ROWS = 6;  // rows a tile: 6 x 2 int32 sums and 6 x 2 float sums in registers
 
-// A group's GROUP panels (each nb blocks of F) from q -> the wide layout, nb blocks of wide_block bytes at `to`.
+// A group's GROUP panels (each nb blocks of F) from q -> the wide layout, nb blocks of wide_block bytes at `to`:
+// the vectors packed_wide_tile.h's tiles unpack in registers, and their fields, stored.
 template <class F, class X>
 inline void unpack_wide(const uint8_t* q, int64_t nb, uint8_t* to) {
   constexpr int64_t QK = F::qk, WIDE_BLOCK = wide_block<QK, X>, WIDE_QUANTS = wide_quants<QK, X>;
   static_assert(GROUP == 2 && PANEL == 8, "a wide vector is one group: two panels of 8 features");
-  const uint8_t *q1 = q + panel_bytes<F>(nb);  // the second panel
-  const __m256i offset = _mm256_set1_epi8(is_signed_bytes<F> ? static_cast<char>(0x80) : 0);
+  const uint8_t* q1 = q + panel_bytes<F>(nb);  // the second panel
+  typename WideFields<F>::Unit unit{};
   for (int64_t b = 0; b < nb; ++b, to += WIDE_BLOCK) {
     const uint8_t *p0 = F::block(q, b), *p1 = F::block(q1, b);
     for (int64_t j = 0; j < QK / 4; ++j) {
       if constexpr (is_int8<X>) {
-        __m256i* at = reinterpret_cast<__m256i*>(to + j * 64);
-        _mm256_storeu_si256(at, _mm256_xor_si256(quads<F>(p0, j), offset));
-        _mm256_storeu_si256(at + 1, _mm256_xor_si256(quads<F>(p1, j), offset));
+        _mm512_storeu_si512(to + j * 64, wide_quads<F>(p0, p1, j));
         continue;
       }
-      __m256i lo0, hi0, lo1, hi1;
-      F::pairs(p0, j, lo0, hi0);
-      F::pairs(p1, j, lo1, hi1);
-      __m256i* at = reinterpret_cast<__m256i*>(to + j * 128);
-      _mm256_storeu_si256(at, lo0);
-      _mm256_storeu_si256(at + 1, lo1);
-      _mm256_storeu_si256(at + 2, hi0);
-      _mm256_storeu_si256(at + 3, hi1);
+      __m512i lo, hi;
+      wide_pairs<F>(p0, p1, j, lo, hi);
+      _mm512_storeu_si512(to + j * 128, lo);
+      _mm512_storeu_si512(to + j * 128 + 64, hi);
     }
-    float* s = reinterpret_cast<float*>(to + WIDE_QUANTS);
-    _mm256_storeu_ps(s, F::scales(q, b));
-    _mm256_storeu_ps(s + 8, F::scales(q1, b));
-    _mm256_storeu_ps(s + 16, F::mins(q, b));
-    _mm256_storeu_ps(s + 24, F::mins(q1, b));
+    __m512 dw, mw;
+    if (b % F::sub == 0) unit = WideFields<F>::unit(q, q1, b);
+    WideFields<F>::block(q, q1, b, unit, dw, mw);
+    _mm512_storeu_ps(to + WIDE_QUANTS, dw);
+    _mm512_storeu_ps(to + WIDE_QUANTS + 64, mw);
   }
 }
 

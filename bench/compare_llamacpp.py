@@ -6,8 +6,9 @@ load taken in turns (the order reversed every round), in one window.
 
 Both servers load the same file (--file): SmolLM2-135M's own Q4_1, or that model requantized by
 llama-quantize (made once, beside it), or the random-weight 1B/3B files of bench/load_models.py.
---server builds llama-server once (bench/llama_server.py) and runs it with `-np 32 -c 98304 -t 2
---cont-batching`. The loads, all streamed and greedy:
+--server builds llama-server once (bench/llama_server.py) and runs it with `-t 2 --cont-batching` and, for
+each load, `-np` as many as the load's concurrent requests (3,072 tokens a slot), restarting it between
+loads that differ. The loads, all streamed and greedy:
 - streams: 1, 8 and 32 concurrent streams of distinct short prompts (output tok/s, ITL);
 - prefill: one 1,000-token prompt no server has seen, one token of reply (prompt tok/s);
 - multiturn: bench/multiturn.py, 32 users x 6 turns, the history resent, no sessions (tok/s, TTFT);
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bandwidth  # noqa: E402
 import multiturn  # noqa: E402
 from launch import launched_server  # noqa: E402
-from llama_server import build, llama_server, tool  # noqa: E402
+from llama_server import build, slots_matched, tool  # noqa: E402
 from load_models import SHAPES, model_file  # noqa: E402
 from serve_bench import WORDS, make_requests, run_level, summary  # noqa: E402
 
@@ -64,39 +65,43 @@ def distinct_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def streams(url: str, args, rnd: int) -> dict:
+# A runner takes url(slots): the server's URL for a load of `slots` concurrent requests.
+def streams(url, args, rnd: int) -> dict:
     out = {}
     for c in (1, 8, 32):
         n, length = (4, 128) if c == 1 else (2 * c, 64)
+        at = url(c)
         bus = {"read_gb_s": bandwidth.typical(args.file_bytes, args.threads)} if c == 1 else {}  # in this minute
-        report = asyncio.run(run_level(url, SERVED, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
+        report = asyncio.run(run_level(at, SERVED, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
         out[f"{c}_streams"] = {"output_tok_s": report["output_tok_s"], "itl_p50_ms": report["itl_ms"].get("p50"),
                                "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"], **bus}
     return out
 
 
-def prefill(url: str, args, rnd: int) -> dict:
+def prefill(url, args, rnd: int) -> dict:
     """A prompt of about args.prefill_tokens tokens, unseen by either server (seeded by round and server)."""
-    rng = random.Random(f"{args.seed}-{rnd}-{url}")
+    at = url(1)
+    rng = random.Random(f"{args.seed}-{rnd}-{at}")
     body = {"model": SERVED, "prompt": distinct_text(rng, args.prefill_tokens), "max_tokens": 1, "temperature": 0}
     start = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", json=body, timeout=600)
+    r = httpx.post(at + "/v1/completions", json=body, timeout=600)
     wall = time.perf_counter() - start
     r.raise_for_status()
     tokens = r.json()["usage"]["prompt_tokens"]
     return {"prefill": {"prompt_tokens": tokens, "prompt_tok_s": round(tokens / wall, 1), "failed": 0}}
 
 
-def multi(url: str, args, rnd: int) -> dict:
-    load = argparse.Namespace(url=url, model=SERVED, users=args.users, turns=args.turns, sessions=False,
+def multi(url, args, rnd: int) -> dict:
+    load = argparse.Namespace(url=url(args.users), model=SERVED, users=args.users, turns=args.turns, sessions=False,
                               first_words=30, turn_words=20, output_len=48, seed=args.seed + rnd)
     report = asyncio.run(multiturn.run(load))
     return {"multiturn": {"output_tok_s": report["output_tok_s"], "failed": report["failed"],
                           "ttft_p50_last_two_turns_ms": report["ttft_ms_last_two_turns"].get("p50")}}
 
 
-def long(url: str, args, rnd: int) -> dict:
-    rng = random.Random(f"{args.seed}-{rnd}-long-{url}")
+def long(url, args, rnd: int) -> dict:
+    at = url(args.long_users)
+    rng = random.Random(f"{args.seed}-{rnd}-long-{at}")
     prompts = [distinct_text(rng, args.history_tokens) for _ in range(args.long_users)]  # a word is a token here
 
     async def go():
@@ -105,13 +110,13 @@ def long(url: str, args, rnd: int) -> dict:
 
             async def warm(p):  # the history, sent once: what a chat's earlier turns leave behind
                 async with gate:
-                    r = await client.post(url + "/v1/completions", json={"model": SERVED, "prompt": p, "max_tokens": 1})
+                    r = await client.post(at + "/v1/completions", json={"model": SERVED, "prompt": p, "max_tokens": 1})
                     r.raise_for_status()
                     return r.json()["usage"]["prompt_tokens"]
             return await asyncio.gather(*(warm(p) for p in prompts))
     lengths = asyncio.run(go())
     requests = [(p, args.long_output) for p in prompts]
-    report = asyncio.run(run_level(url, SERVED, requests, args.long_users, None, 0))
+    report = asyncio.run(run_level(at, SERVED, requests, args.long_users, None, 0))
     return {"long": {"history_tokens": round(statistics.fmean(lengths)), "output_tok_s": report["output_tok_s"],
                      "itl_p50_ms": report["itl_ms"].get("p50"), "itl_p99_ms": report["itl_ms"].get("p99"),
                      "failed": report["failed"]}}
@@ -187,10 +192,10 @@ def main() -> int:
     reads: list[float] = []  # GB/s, once a round with both servers idle: the machine's bandwidth drifts
     with contextlib.ExitStack() as stack:
         serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
-        urls = {"kvserve": stack.enter_context(launched_server(str(gguf), serve_args)),
-                "llama-server": stack.enter_context(llama_server(binary, gguf, threads=args.threads))}
-        for name, url in urls.items():  # first requests: route set-up and warm-up, not measured
-            httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)
+        kvserve = stack.enter_context(launched_server(str(gguf), serve_args))
+        httpx.post(kvserve + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)  # warm-up, not measured
+        urls = {"kvserve": lambda slots: kvserve,  # its batch follows the load by itself
+                "llama-server": stack.enter_context(slots_matched(binary, gguf, threads=args.threads))}
         for rnd in range(args.rounds):
             order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
             results = {name: {} for name in urls}

@@ -9,10 +9,13 @@ $KVSERVE_CACHE/llama-server/<version>/build/bin/.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -24,9 +27,12 @@ from models.catalog import cache_dir  # noqa: E402
 from server.local import free_port  # noqa: E402
 
 VERSION = LLAMA_CPP_PYTHON  # llama-cpp-python, whose sdist vendors the llama.cpp revision compared
-# 32 slots of 3,072 tokens: room for 32 conversations of 2,000-token histories and their replies
 TOOLS = ("llama-server", "llama-quantize", "llama-perplexity")
-SERVE_FLAGS = ["-np", "32", "-c", "98304", "--cont-batching", "--jinja"]
+SLOT_TOKENS = 3072  # a slot's context: a 2,000-token history and its reply
+
+
+def serve_flags(slots: int) -> list[str]:
+    return ["-np", str(slots), "-c", str(slots * SLOT_TOKENS), "--cont-batching", "--jinja"]
 
 
 def binary_path() -> Path:
@@ -60,11 +66,27 @@ def tool(name: str) -> Path:
     return build(quiet=True).parent / name
 
 
-def llama_server(binary: str | Path, gguf: str | Path, extra: list[str] | None = None, threads: int = 2):
-    """llama-server on the GGUF, with SERVE_FLAGS and `extra`: a context that gives its URL."""
+def llama_server(binary: str | Path, gguf: str | Path, extra: list[str] | None = None, threads: int = 2, slots: int = 32):
+    """llama-server on the GGUF with `slots` parallel slots (-np) and `extra`: a context that gives its URL."""
     port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), *SERVE_FLAGS, *(extra or [])]
+    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), *serve_flags(slots), *(extra or [])]
     return running(cmd, port, 300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+@contextlib.contextmanager
+def slots_matched(binary: str | Path, gguf: str | Path, threads: int = 2):
+    """llama-server at its best flags for each load: `-np` as many as the load's concurrent requests. Gives
+    url(slots), which restarts it with that many slots (and sends it a first, unmeasured request) when the
+    last load had another count."""
+    held: dict = {}
+    with contextlib.ExitStack() as stack:
+        def url(slots: int) -> str:
+            if held.get("slots") != slots:
+                stack.close()
+                held.update(slots=slots, url=stack.enter_context(llama_server(binary, gguf, threads=threads, slots=slots)))
+                httpx.post(held["url"] + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)
+            return held["url"]
+        yield url
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ llama-server with and without its own n-gram speculation. Prints JSON.
 SmolLM2-135M widened with zeros, as Q4_K_M (bench/load_models.py), since random weights never copy.
 
 One kvserve (`--speculative ngram`; each request sets `speculative` on or off) and two llama-servers
-(`-np 32 -c 98304 -t 2 --cont-batching --jinja`, plain and `--spec-type ngram-simple`) run side by side.
+(`-t 2 --cont-batching --jinja`, `-np` the most --streams asks for, plain and `--spec-type ngram-simple`)
+run side by side.
 Every prompt goes to each target in turn, greedy and streamed, and a round repeats the set. A request's
 decode rate is its tokens after the first over the time since the first, its end-to-end rate all its
 tokens over its whole time (the prefill's included); a set's figure is the median over its requests and
@@ -171,11 +172,13 @@ def main() -> None:
         kv = stack.enter_context(launched_server(args.model, ["--speculative", "ngram"]))
         MODEL[0] = httpx.get(kv + "/v1/models").json()["data"][0]["id"]  # a file's name is its stem
         targets = {"kvserve ngram": (kv, {"speculative": True}), "kvserve off": (kv, {"speculative": False})}
+        levels = [int(x) for x in args.streams.split(",")]
         if args.llama_server:
-            targets["llama-server"] = (stack.enter_context(llama_server(args.llama_server, gguf, [])), {})
+            slots = max(levels)
+            targets["llama-server"] = (stack.enter_context(llama_server(args.llama_server, gguf, [], slots=slots)), {})
             targets["llama-server ngram-simple"] = (
-                stack.enter_context(llama_server(args.llama_server, gguf, ["--spec-type", "ngram-simple"])), {})
-        for n in (int(x) for x in args.streams.split(",")):
+                stack.enter_context(llama_server(args.llama_server, gguf, ["--spec-type", "ngram-simple"], slots=slots)), {})
+        for n in levels:
             if n == 1:
                 result["1 stream"] = asyncio.run(one_stream(targets, args.rounds, args.max_tokens))
             else:

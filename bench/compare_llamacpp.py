@@ -41,7 +41,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 import bandwidth  # noqa: E402
 import multiturn  # noqa: E402
-from launch import launched_server  # noqa: E402
+from launch import launched_server, warm_up  # noqa: E402
 from llama_server import build, slots_matched, tool  # noqa: E402
 from load_models import SHAPES, model_file  # noqa: E402
 from serve_bench import WORDS, make_requests, run_level, summary  # noqa: E402
@@ -193,7 +193,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
         kvserve = stack.enter_context(launched_server(str(gguf), serve_args))
-        httpx.post(kvserve + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)  # warm-up, not measured
+        warm_up(kvserve)
         urls = {"kvserve": lambda slots: kvserve,  # its batch follows the load by itself
                 "llama-server": stack.enter_context(slots_matched(binary, gguf, threads=args.threads))}
         for rnd in range(args.rounds):

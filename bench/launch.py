@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import httpx
+
 from models.quant import ACTIVATIONS
 from server.local import free_port, stop, wait_healthy
 
@@ -22,6 +24,11 @@ def running(cmd: list[str], port: int, timeout: float, **popen):
         yield url
     finally:
         stop([proc], timeout=120)
+
+
+def warm_up(url: str) -> None:
+    """A first, unmeasured request: a server's route set-up and first step are not the load's."""
+    httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)
 
 
 def compiled(model: str, activations: str) -> None:

@@ -15,11 +15,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from launch import running  # noqa: E402
+from launch import running, warm_up  # noqa: E402
 
 from tests.models.gguf_files import LLAMA_CPP_PYTHON, llama_cpp_source  # noqa: E402
 
@@ -84,7 +82,7 @@ def slots_matched(binary: str | Path, gguf: str | Path, threads: int = 2):
             if held.get("slots") != slots:
                 stack.close()
                 held.update(slots=slots, url=stack.enter_context(llama_server(binary, gguf, threads=threads, slots=slots)))
-                httpx.post(held["url"] + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=300)
+                warm_up(held["url"])
             return held["url"]
         yield url
 

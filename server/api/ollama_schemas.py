@@ -6,13 +6,13 @@ otherwise, by name: a client must not get a different sampler than it asked for 
 """
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 from ..engine.sampling import SamplingParams
 from ..errors import cut
+from .durations import duration_seconds
 from .schemas import MAX_TOKENS_LIMIT, StopList, Tool, _Body, _fail
 
 # Ollama's own defaults, where a request names none. Its repeat_penalty 1.1 is left out: without it the
@@ -21,10 +21,6 @@ DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_last_n": 64}
 # an option kvserve does not implement -> the value at which it changes nothing (llama.cpp dropped
 # tail-free sampling, so Ollama's runners no longer honour it either)
 OFF_VALUES = {"tfs_z": 1.0}
-# keep_alive as a Go duration, as Ollama parses it ("5m", "1h30m", "0"): a unit after every number
-_DURATION_PART = r"(\d+\.?\d*|\.\d+)(ns|us|µs|μs|ms|s|m|h)"
-_DURATION = re.compile(rf"[-+]?(0|({_DURATION_PART})+)")
-_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 class OllamaOptions(_Body):
@@ -96,7 +92,8 @@ class OllamaOptions(_Body):
 
 
 def _duration(value: Any) -> Any:
-    if isinstance(value, str) and not _DURATION.fullmatch(value.strip()):
+    # keep_alive as a Go duration, as Ollama parses it ("5m", "1h30m", "0"): a unit after every number
+    if isinstance(value, str) and duration_seconds(value) is None:
         _fail("duration", f"{cut(value)!r} is not a duration: a number of seconds, or e.g. \"5m\", \"1h30m\", \"0\"")
     return value
 
@@ -121,7 +118,7 @@ class _OllamaRequest(_Body):
             return False
         if not isinstance(self.keep_alive, str):
             return self.keep_alive == 0
-        return sum(float(n) * _SECONDS[unit] for n, unit in re.findall(_DURATION_PART, self.keep_alive)) == 0
+        return duration_seconds(self.keep_alive) == 0
 
 
 class OllamaFunctionCall(_Body):

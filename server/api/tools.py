@@ -9,16 +9,15 @@ by a grammar (constraints.Grammars.tool_calls), so the arguments always parse an
 from __future__ import annotations
 
 import json
-import re
 import secrets
+from bisect import bisect_right
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidRequest
 from .schemas import ChatCompletionRequest, ChatMessage
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-OPEN_TAG = "<tool_call>"
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 CALL_END = "</tool_call>\n"  # what ends each call of a forced reply (Grammars.tool_calls's layout)
 TOOLS_PROMPT = (
     "You can call functions. They are described, one JSON object each, between <tools> and </tools>:\n"
@@ -101,10 +100,10 @@ def parse_tool_calls(text: str, names: set[str], forced: bool = False) -> tuple[
     function offered, the whole text is content."""
     if not names:
         return text, []
-    calls = []
-    for match in TOOL_CALL.finditer(text):
+    calls, blocks = [], call_blocks(text)
+    for _, _, body_start, body_end in blocks:
         try:
-            call = json.loads(match.group(1))
+            call = json.loads(text[body_start:body_end])
         except json.JSONDecodeError:
             continue
         if isinstance(call, dict) and call.get("name") in names:
@@ -113,9 +112,46 @@ def parse_tool_calls(text: str, names: set[str], forced: bool = False) -> tuple[
                           "function": {"name": call["name"], "arguments": arguments}})
     if forced:
         return None, calls
-    content = TOOL_CALL.sub("", text) if calls else text
+    content = _without(text, blocks) if calls else text
     cut = content.rfind(OPEN_TAG)
     if cut >= 0 and "</tool_call>" not in content[cut:]:
         content = content[:cut]  # a call the reply ended inside
     content = content.strip() if calls else content
     return content or None, calls
+
+
+def call_blocks(text: str) -> list[tuple[int, int, int, int]]:
+    """The `<tool_call>{...}</tool_call>` blocks of `text`, as (start, end, the braces' start, their end): what
+    the regex `<tool_call>\\s*(\\{.*?\\})\\s*</tool_call>` finds (the first '}' after the '{' that only whitespace
+    parts from a closing tag), scanned in linear time: that regex goes over the rest of the text again for
+    every opening tag with no close after it."""
+    # the '}' before each closing tag, where only whitespace stands between them; rising with the tags
+    braces, ends, at = [], [], 0
+    while (close := text.find(CLOSE_TAG, at)) >= 0:
+        last = close - 1
+        while last >= 0 and text[last].isspace():
+            last -= 1
+        if last >= 0 and text[last] == "}":
+            braces.append(last)
+            ends.append(close + len(CLOSE_TAG))
+        at = close + len(CLOSE_TAG)
+    blocks, at = [], 0
+    while (start := text.find(OPEN_TAG, at)) >= 0:
+        brace = start + len(OPEN_TAG)
+        while brace < len(text) and text[brace].isspace():
+            brace += 1
+        k = bisect_right(braces, brace) if brace < len(text) and text[brace] == "{" else len(braces)
+        if k == len(braces):
+            at = start + 1
+            continue
+        blocks.append((start, ends[k], brace, braces[k] + 1))
+        at = ends[k]
+    return blocks
+
+
+def _without(text: str, blocks: list[tuple[int, int, int, int]]) -> str:
+    pieces, at = [], 0
+    for start, end, _, _ in blocks:
+        pieces.append(text[at:start])
+        at = end
+    return "".join(pieces) + text[at:]

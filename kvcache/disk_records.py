@@ -3,8 +3,13 @@ never its KV, which the tier keeps by content), and the claims that make a sessi
 among those sharing the folder. A claim's lock file names its holder (its boot id), so a server asked
 for a session another holds can tell which one to send the request to (server/api/peers.py).
 
+A record is written (temporary file, fsync, rename) on the tier's writer thread, and whoever saves one
+gets a future of whether it is on disk: a turn's final event waits for it (server/engine/engine.py), so a
+turn a client was answered is on disk, whenever the server dies after.
+
 A mixin of `DiskTier` (kvcache/disk_tier.py), which owns what is used here: `root`, `identity`,
-`healthy`, `stats`, `_lock`, `_enqueue` and `_fail`, and runs `_do_record` on its writer thread.
+`healthy`, `may_write`, `stats`, `_lock`, `_enqueue`, `_failed` and `_wrote`, and runs `_do_record` on its
+writer thread.
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ import json
 import logging
 import os
 import re
+from concurrent.futures import Future
 from pathlib import Path
 
+from .disk_faults import FULL
 from .disk_files import Refused, open_lock, read_regular, write_atomic
 
 log = logging.getLogger("kvserve.disk")
@@ -32,14 +39,16 @@ class SessionRecords:
         self._claims: dict[str, int] = {}  # session key -> the open, flock-ed lock file that makes it ours
         self._deleted: set[str] = set()  # deleted here, its record perhaps not yet unlinked: never found again
         self._letting_go: set[str] = set()  # claims the writer drops once it gets there, unless claimed again first
-        self._refused: set[str] = set()  # keys whose lock file is no file of ours (a symlink): warned about once
         self.holder: str | None = None  # this server's boot id, written into each lock file it holds
 
-    def save_session(self, record: dict) -> None:
-        """Write a session's record behind (temporary file, fsync, rename)."""
-        if not self.healthy:
-            return
-        self._enqueue(("session", {**record, "identity": self.identity}))
+    def save_session(self, record: dict) -> Future | None:
+        """Write a session's record behind (temporary file, fsync, rename) -> a future of whether it is on
+        disk, or None if no write is tried (the tier is off, or paused for a full disk)."""
+        if not self.may_write():
+            return None
+        saved = Future()
+        self._enqueue(("session", {**record, "identity": self.identity}, saved))
+        return saved
 
     def delete_session(self, key: str) -> None:
         self._deleted.add(key)
@@ -56,7 +65,8 @@ class SessionRecords:
 
     def claim(self, key: str) -> bool:
         """Make a session this server's alone, among the servers sharing the folder -> False if another
-        live server holds it, or its lock file is refused (a symlink: kvcache/disk_files.py). The claim is
+        live server holds it, or its lock file cannot be had (a symlink, a folder: that session alone is not
+        taken, with one warning). The claim is
         an flock on the session's lock file: the kernel releases it when the holder dies, however it dies,
         so a session outlives its server on shared storage."""
         self._deleted.discard(key)  # a new session under a key deleted earlier
@@ -67,14 +77,14 @@ class SessionRecords:
         try:
             fd = open_lock(self.root / "sessions" / f"{key}.lock")
         except Refused as e:  # planted by someone who may write in the folder: not a claim anyone holds
-            if key not in self._refused:
-                self._refused.add(key)
-                self.stats.errors += 1
-                log.warning("kv disk: lock of session %s refused (%s); the session is not taken", key, e.strerror)
+            self.stats.errors += 1
+            self._warn_once(f"lock of session {key}", f"kv disk: lock of session {key} refused ({e.strerror}); "
+                            "the session is not taken")
             return False
         except OSError as e:
-            self._fail(e)
-            return True
+            self._failed(e, f"lock of session {key}")
+            # a full disk has no room for a new lock file: nobody else can hold one either
+            return e.errno in FULL
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -125,8 +135,10 @@ class SessionRecords:
             record = self._record_at(self.root / "sessions" / f"{key}.json")
         except FileNotFoundError:
             return None
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
             self.stats.errors += 1
+            self._warn_once(f"reading session {key}", f"kv disk: record of session {key} cannot be read "
+                            f"({getattr(e, 'strerror', None) or e}); that session is not found")
             return None
         return record if record["key"] == key else None
 
@@ -151,13 +163,19 @@ class SessionRecords:
         """On the writer's thread: a record written, a record deleted, or a claim let go."""
         kind = job[0]
         if kind == "session":
-            record = job[1]
-            if record["key"] in self._deleted:
+            record, saved = job[1], job[2]
+            if record["key"] in self._deleted or not self.may_write():
+                saved.set_result(False)
                 return
             write_atomic(self.root / "sessions" / f"{record['key']}.json", json.dumps(record).encode(), sync=True)
+            self._wrote()
+            saved.set_result(True)
             return
         if kind == "delete":
-            (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
+            try:
+                (self.root / "sessions" / f"{job[1]}.json").unlink(missing_ok=True)
+            except OSError as e:  # the claim is let go all the same
+                self._failed(e, f"record of session {job[1]}")
         with self._lock:
             drop = job[1] in self._letting_go
             self._letting_go.discard(job[1])

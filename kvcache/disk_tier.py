@@ -12,8 +12,9 @@ checksum, its identity and its token ids must all hold, or the file is dropped a
 
 Every write is a temporary file renamed into place, so a reader never sees half a file, and writes
 run on the tier's own thread (write-behind): the step loop only hands over a copy of the block. Reads
-run on a second thread, while the request waits in the queue. Any OSError (a full disk, a read-only
-or vanished folder) turns the tier off with one warning; serving goes on from RAM.
+run on a second thread, while the request waits in the queue. A file that fails costs that file alone,
+a full disk pauses writes but never reads, and only a vanished or read-only folder turns the tier off
+(kvcache/disk_faults.py); serving goes on from RAM.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from .disk_faults import DiskFaults
 from .disk_files import Refused, make_folders, read_regular, write_atomic
 from .disk_records import SessionRecords
 
@@ -53,7 +55,7 @@ class TierStats:
     write_s: list[float] = field(default_factory=list)  # per block written, drained
 
 
-class DiskTier(SessionRecords):
+class DiskTier(SessionRecords, DiskFaults):
     """Content-addressed KV blocks and session records for one model identity, under a byte budget."""
 
     def __init__(self, root: Path, budget: int, identity: dict, block_bytes: int, block_size: int,
@@ -64,7 +66,7 @@ class DiskTier(SessionRecords):
         self.k_shape, self.v_shape, self.dtype = k_shape, v_shape, dtype
         self.file_bytes = len(MAGIC) + 8 + 16 + 8 * block_size + block_bytes + _CHECK
         self.stats = TierStats()
-        self.healthy = True
+        self._init_faults()
         self._lock = threading.Lock()
         self._on_disk: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self._writes: queue.Queue = queue.Queue()
@@ -78,10 +80,11 @@ class DiskTier(SessionRecords):
         try:
             make_folders(self.root / "blocks", Path(root))
             make_folders(self.root / "sessions", Path(root))
-            write_atomic(self.root / "manifest.json", json.dumps({"identity": identity}, indent=2).encode())
             self._scan()
         except OSError as e:
             self._fail(e)
+        else:
+            self._write_manifest(identity)
         try:
             others = [p.name for p in Path(root).iterdir() if p.is_dir() and p.name != self.identity]
         except OSError:
@@ -108,7 +111,7 @@ class DiskTier(SessionRecords):
               parent: bytes | None = None) -> None:
         """Write a full block behind (the caller hands over copies), unless it is on disk already; `parent`
         is the hash of the block before it, for the events."""
-        if not self.healthy or digest in self._on_disk:
+        if digest in self._on_disk or not self.may_write():
             return
         self._enqueue(("block", digest, list(tokens), k, v, parent))
 
@@ -192,10 +195,12 @@ class DiskTier(SessionRecords):
                 if self.healthy:
                     self._do(job)
             except OSError as e:
-                self._fail(e)
+                self._failed(e, _what(job))
             except Exception:  # a bug here must not stop the writer, nor serving
                 log.exception("kv disk writer")
             finally:
+                if job[0] == "session" and not job[2].done():  # not written: whoever waits for it goes on
+                    job[2].set_result(False)
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
@@ -205,7 +210,7 @@ class DiskTier(SessionRecords):
             self._do_record(job)
         else:
             _, digest, tokens, k, v, parent = job
-            if digest in self._on_disk or self.file_bytes > self.budget:
+            if digest in self._on_disk or self.file_bytes > self.budget or not self.may_write():
                 return
             start = time.perf_counter()
             self._make_room()
@@ -218,6 +223,7 @@ class DiskTier(SessionRecords):
             path = self._path(digest)
             make_folders(path.parent, self.root / "blocks")
             write_atomic(path, [*parts, crc.to_bytes(_CHECK, "little")])
+            self._wrote()
             with self._lock:
                 self._on_disk[digest] = None
                 self._note("stored", digest, parent, tokens)
@@ -229,9 +235,26 @@ class DiskTier(SessionRecords):
             with self._lock:
                 digest, _ = self._on_disk.popitem(last=False)
                 self._note("removed", digest)
-            self._path(digest).unlink(missing_ok=True)
+            try:
+                self._path(digest).unlink(missing_ok=True)
+            except OSError as e:  # out of the budget all the same: the file is no longer counted
+                self._failed(e, f"block {digest.hex()}")
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _write_manifest(self, identity: dict) -> None:
+        """What the identity folder's name hashes, for whoever looks; left as it is if it says so already
+        (a restart on a full disk needs no write)."""
+        path, data = self.root / "manifest.json", json.dumps({"identity": identity}, indent=2).encode()
+        try:
+            if read_regular(path, len(data) + 1) == data:
+                return
+        except OSError:
+            pass
+        try:
+            write_atomic(path, data)
+        except OSError as e:
+            self._failed(e, "manifest.json")
+
     def _path(self, digest: bytes) -> Path:
         h = digest.hex()
         return self.root / "blocks" / h[:2] / h[2:4] / h
@@ -265,13 +288,17 @@ class DiskTier(SessionRecords):
             events, self.events = self.events, ([] if self.events is not None else None)
         return events or []
 
-    def _fail(self, error: OSError) -> None:
-        self.stats.errors += 1
-        if self.healthy:
-            log.warning("kv disk %s failed (%s); serving goes on from RAM only", self.root, error)
-        self.healthy = False
-
     def info(self) -> dict:
-        return {"path": str(self.root), "healthy": self.healthy, "blocks": len(self._on_disk),
+        return {"path": str(self.root), "healthy": self.healthy, "writes_paused": self.writes_paused,
+                "full_since": self.full_since, "blocks": len(self._on_disk),
                 "bytes": len(self._on_disk) * self.file_bytes, "budget": self.budget, "pending_writes": self._pending,
                 "hits": self.stats.hits, "misses": self.stats.misses, "errors": self.stats.errors}
+
+
+def _what(job: tuple) -> str:
+    """The file a writer's job touches, in words (for its warning, given once per file)."""
+    if job[0] == "block":
+        return f"block {job[1].hex()}"
+    if job[0] == "session":
+        return f"record of session {job[1]['key']}"
+    return f"record of session {job[1]}"

@@ -27,7 +27,7 @@ from .model_thread import keep_step_buffers, keep_torch_serial, model_thread
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .kv_events import KVEventPublisher
-from .sequence import Sequence
+from .sequence import Finished, Sequence
 from .session import SessionStore
 from .admission import Admission
 from .session_ops import SessionOps
@@ -188,11 +188,26 @@ class Engine(SessionOps, Admission):
         """Give the event loop the events since the last hand-over, in one wake-up."""
         with self.lock:
             events, self._outbox = self._outbox, []
-        if events and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(_put_all, events)
-            except RuntimeError:  # the loop has closed: nobody is left to read them
-                pass
+            saving, self.scheduler.saving = self.scheduler.saving, {}
+        if not events or self._loop is None:
+            return
+        # A turn's end waits until its session's record is on disk: once a client is answered, a kill -9
+        # cannot lose the turn. Nothing follows a Finished in its queue, so the others need not wait.
+        now = []
+        for item in events:
+            saved = saving.get(item[0]) if isinstance(item[1], Finished) else None
+            if saved is not None and not saved.done():
+                saved.add_done_callback(lambda _, item=item: self._hand([item]))
+            else:
+                now.append(item)
+        if now:
+            self._hand(now)
+
+    def _hand(self, events: list[tuple[asyncio.Queue, object]]) -> None:
+        try:
+            self._loop.call_soon_threadsafe(_put_all, events)
+        except RuntimeError:  # the loop has closed: nobody is left to read them
+            pass
 
     def _observe_finished(self) -> None:
         s = self.scheduler
@@ -214,6 +229,8 @@ class Engine(SessionOps, Admission):
         with self.lock:
             tenants = self.scheduler.tenants
             self.metrics.tenants((tenants[owner].metric_label, fig) for owner, fig in self.tenant_figures().items())
+            if self.pool.tier is not None:  # a full disk's writes may have resumed since the last step
+                self.metrics.disk(self.pool.tier)
         return self.metrics.render()
 
     def _update_gauges(self) -> None:

@@ -1,6 +1,7 @@
 """The engine's KV memory: one block pool under the KV budget, and the session caches it holds."""
 from __future__ import annotations
 
+from concurrent.futures import Future
 from pathlib import Path
 
 import hashlib
@@ -93,11 +94,13 @@ class KVPool:
         text = f"{owner or ''}\0{session.salt or ''}".encode()
         return hashlib.blake2b(text, digest_size=16, person=b"kvserve-prefix").digest()
 
-    def persist(self, session: Session) -> None:
-        """Write a persistent session's record behind (its blocks go by content, as they fill)."""
-        if self.tier is not None and session.persistent:
-            self.tier.claim(session.key)  # a new one becomes ours; one already ours stays so
-            self.tier.save_session(session.record())
+    def persist(self, session: Session) -> Future | None:
+        """Write a persistent session's record behind (its blocks go by content, as they fill) -> a future of
+        whether it is on disk, or None if no write is tried (no tier, not persistent, a full disk)."""
+        if self.tier is None or not session.persistent:
+            return None
+        self.tier.claim(session.key)  # a new one becomes ours; one already ours stays so
+        return self.tier.save_session(session.record())
 
     def forget(self, session: Session) -> None:
         if self.tier is not None and session.persistent:

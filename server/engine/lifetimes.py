@@ -86,6 +86,11 @@ class Lifetimes:
         """Move idle sessions past their TTL out of RAM, and delete disk copies past theirs -> sessions moved."""
         tier = self.pool.tier
         expired = self.sessions.expired(now)
+        if tier is not None and tier.healthy and tier.writes_paused:
+            # a full disk: their records may lag their histories, so they stay in RAM (their KV goes) until it has room
+            for session in expired:
+                self.pool.drop(session)
+            expired = []
         for session in expired:
             self.pool.drop(session)  # its full blocks stay cached for a prefix hit, until the pool needs them
             if tier is not None and tier.healthy:

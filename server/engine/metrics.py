@@ -73,6 +73,8 @@ class Metrics:
         self.disk_blocks = gauge("kvserve:kv_disk_blocks", "KV blocks in the disk tier")
         self.disk_bytes = gauge("kvserve:kv_disk_bytes", "Bytes of KV blocks in the disk tier")
         self.disk_healthy = gauge("kvserve:kv_disk_healthy", "1 while the disk tier works; 0 once it failed (RAM only)")
+        self.disk_full = gauge("kvserve:kv_disk_writes_paused",
+                               "1 while the disk tier's disk is full: writes pause, reads go on, writing is retried")
         self.disk_hits = counter("kvserve:kv_disk_hits", "KV blocks read back from disk instead of recomputed")
         self.disk_misses = counter("kvserve:kv_disk_misses", "Read-backs that stopped at a block not on disk")
         self.disk_errors = counter("kvserve:kv_disk_errors", "Disk tier I/O failures and blocks or records that failed their checks")
@@ -161,6 +163,7 @@ class Metrics:
         self.disk_blocks.set(info["blocks"])
         self.disk_bytes.set(info["bytes"])
         self.disk_healthy.set(1 if tier.healthy else 0)
+        self.disk_full.set(1 if info["writes_paused"] else 0)
 
     def tenants(self, figures) -> None:
         """Per-tenant figures, as (metric label, Tenants.figures entry) pairs, summed by label."""

@@ -19,8 +19,10 @@ a timeout error that leaves its session as it was.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
+from concurrent.futures import Future
 
 from kvcache import PoolExhausted, Sizing
 
@@ -47,6 +49,8 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}
         self.counts = StepCounts()  # what the steps did since the metrics last took them
         self._retired: list[Sequence] = []
+        # requests' event queues -> their session's record being written: their Finished waits for it (engine.py)
+        self.saving: dict[asyncio.Queue, Future] = {}
         self._in_flight: set[str] = set()  # the requests of the step being run, between schedule and postprocess
         self.tenants = Tenants(config.tenant_weights, label_secret)
         self.row_costs = RowCosts(config.speculation.max_rows)  # what drafts cost, as steps are timed
@@ -254,7 +258,10 @@ class Scheduler:
         session = req.session
         session.busy = None
         session.last_used = time.monotonic()
-        self.pool.persist(session)  # the turn is over: its record goes to disk (if there is a tier)
+        # the turn is over: its record goes to disk (if there is a tier), and its final event waits for that
+        saved = self.pool.persist(session)
+        if saved is not None:
+            self.saving[req.events] = saved
         if not session.persistent:
             self.pool.drop(session)
             self.sessions.remove(session)

@@ -45,13 +45,14 @@ class SessionOps:
                 log.exception("session expiry")
 
     def snapshot(self, session: Session) -> bool:
-        """Write the session's record and every block handed over so far -> whether they are on disk."""
+        """Write the session's record and every block handed over so far -> whether its record is on disk
+        (not while the disk is full, nor if its own file fails)."""
         if self.pool.tier is None:
             raise InvalidRequest("this server has no disk tier; start it with --kv-disk DIR")
         with self.lock:
             self.sessions.check_idle(session)
-            self.pool.persist(session)
-        return self.pool.tier.flush(timeout=60) and self.pool.tier.healthy
+            saved = self.pool.persist(session)
+        return self.pool.tier.flush(timeout=60) and saved is not None and saved.done() and saved.result()
 
     def create_session(self, capacity: int | None, sizing: str | None, owner: str | None, persistent: bool = True,
                        session_id: str | None = None) -> Session:

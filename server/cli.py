@@ -67,6 +67,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a session moved to --kv-disk stays there, unused, before it is deleted")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="seconds a request may take from arrival; queued past it: 408, running: it ends (finish reason timeout)")
+    p.add_argument("--constraint-timeout", type=float, default=d.constraint_timeout,
+                   help="seconds a grammar, regex, schema or tool list may take to compile; past it: 400")
+    p.add_argument("--mask-timeout", type=float, default=d.mask_timeout,
+                   help="seconds one token's grammar mask may take; past it the reply ends (finish reason unmet)")
     p.add_argument("--max-sessions-per-key", type=int, default=None,
                    help=f"sessions one tenant may hold (default with keys or --tenant-header: 1/{SESSION_SHARE} of --max-sessions)")
     p.add_argument("--max-running-per-key", type=int, default=None,
@@ -112,6 +116,8 @@ def _engine_config(args) -> EngineConfig:
         session_ttl=args.session_ttl,
         session_disk_ttl=args.session_disk_ttl,
         request_timeout=args.request_timeout,
+        constraint_timeout=args.constraint_timeout,
+        mask_timeout=args.mask_timeout,
         session_capacity=args.session_capacity,
         max_model_len=args.max_model_len,
         session_sizing=Sizing(args.session_sizing),

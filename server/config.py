@@ -54,6 +54,8 @@ class EngineConfig:
     session_ttl: float = 3600.0  # seconds an idle session stays in RAM; then it moves to disk, or is removed
     session_disk_ttl: float = 7 * 86400.0  # seconds a moved session's disk copy stays after that
     request_timeout: float | None = None  # seconds a request may take, queued and running; None: no limit
+    constraint_timeout: float = 10.0  # seconds a constraint's first compile may take (grammar_worker.py)
+    mask_timeout: float = 2.0  # seconds one token's grammar mask may take before its reply ends, unmet
     speculation: SpeculationConfig = SpeculationConfig()  # n-gram drafts: the default, and their limits
     kv_events: str | None = None  # tcp://HOST:PORT: publish the prefix index's changes there (ZMQ PUB) for a router
     kv_events_replay: str | None = None  # tcp://HOST:PORT: resend recent batches to a router that missed some
@@ -67,7 +69,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",
-                     "session_ttl", "session_disk_ttl"):
+                     "session_ttl", "session_disk_ttl", "constraint_timeout", "mask_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_sessions_per_key", "max_running_per_key", "max_queued_per_key", "request_timeout",

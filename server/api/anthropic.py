@@ -12,6 +12,7 @@ An earlier turn's thinking blocks go back into the chat as that turn's reasoning
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import APIRouter
@@ -19,6 +20,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
+from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Scheduling, Sequence
 from ..errors import InvalidRequest
@@ -126,17 +128,20 @@ def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionR
     return chat, chat_render.render_chat(tok, chat, prefill=True)
 
 
-def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: list[dict] | None,
+def _grammar(grammars: Grammars, forced: list[dict] | None, parallel: bool, output: tuple | None) -> str | None:
+    if forced is not None:
+        return grammars.check(grammars.tool_calls(forced, parallel), "tool_choice")
+    return None if output is None else grammars.check(grammars.json_schema(*output), output[1])
+
+
+async def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], forced: list[dict] | None,
            parallel: bool, reader: ReplyReader) -> Sequence:
     engine = generation.engine_of(http)
-    grammar, output = None, body.output_schema()
+    output = body.output_schema()
     if forced is not None and output is not None:
         raise InvalidRequest("a forced tool_choice and a structured output format cannot both constrain the reply",
                              param=output[1])
-    if forced is not None:
-        grammar = engine.grammars.check(engine.grammars.tool_calls(forced, parallel), "tool_choice")
-    elif output is not None:
-        grammar = engine.grammars.check(engine.grammars.json_schema(*output), output[1])
+    grammar = await asyncio.to_thread(_grammar, engine.grammars, forced, parallel, output)  # compiles: off the loop
     stop = tuple(body.stop_sequences or ())
     generation.check_stops(http, stop, "stop_sequences", "stop sequences")
     params = SamplingParams(
@@ -171,7 +176,7 @@ async def messages(body: MessagesRequest, http: HttpRequest):
     chat, rendered = render(http, body)
     forced = tools.forced_tools(chat)
     reader = rendered.reader if forced is None and body.output_schema() is None else rendered.reader.constrained()
-    req = _start(http, body, rendered.ids, forced, tools.parallel_calls(chat), reader)
+    req = await _start(http, body, rendered.ids, forced, tools.parallel_calls(chat), reader)
     if body.stream:
         stream = MessageStream(http, req, reader, body.thinking)
         return StreamingResponse(stream.__aiter__(), media_type="text/event-stream", headers=generation.SSE_HEADERS)

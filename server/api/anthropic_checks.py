@@ -15,6 +15,7 @@ from __future__ import annotations
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
+from ..engine import constraint_limits
 from ..errors import InvalidRequest, cut
 from .anthropic_schemas import Message, Tool, ToolResultBlock, ToolUseBlock
 
@@ -60,8 +61,10 @@ def _turns(messages: list[Message]) -> list[tuple[str, list[tuple[int, int, obje
 
 
 def check_tools(tools: list[Tool]) -> None:
+    constraint_limits.check_tools(len(tools), "tools")
     for i, t in enumerate(tools):
         schema = t.input_schema
+        constraint_limits.check_schema(schema, f"tools.{i}.input_schema")  # the metaschema check recurses
         if schema.get("type") != "object":
             raise InvalidRequest(f"tools.{i}.input_schema.type: the input_schema of tool {t.name!r} must have type "
                                  f"'object' (a tool's input is a JSON object)", param=f"tools.{i}.input_schema.type")

@@ -8,6 +8,7 @@ model whose template has no thinking refuses `think: true`, as Ollama does.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hashlib
 import json
@@ -78,7 +79,7 @@ def _call_id(call, i: int, j: int) -> str:
     return call.id or f"call_{i}_{j}"
 
 
-def _start(http: HttpRequest, body, prompt: list[int], reader: ReplyReader, tools_offered: bool = False) -> Sequence:
+async def _start(http: HttpRequest, body, prompt: list[int], reader: ReplyReader, tools_offered: bool = False) -> Sequence:
     """Submit the prompt with the request's options; `num_ctx` bounds the prompt and its reply together."""
     engine = generation.engine_of(http)
     o = body.options
@@ -92,7 +93,8 @@ def _start(http: HttpRequest, body, prompt: list[int], reader: ReplyReader, tool
                                  param="options.num_ctx")
         room = num_ctx - len(prompt)
         max_tokens = room if max_tokens is None else min(room, max_tokens)
-    params = reader.sampling(o.sampling(max_tokens, _grammar(http, body, tools_offered)))
+    grammar = await asyncio.to_thread(_grammar, http, body, tools_offered)  # compiles: off the loop
+    params = reader.sampling(o.sampling(max_tokens, grammar))
     generation.check_stops(http, params.stop, "options.stop")
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params, resend=True)[0]
 
@@ -129,7 +131,7 @@ async def chat(body: OllamaChatRequest, http: HttpRequest):
         tools=body.tools or None, chat_template_kwargs=variables)
     rendered = chat_render.render_chat(tok, as_openai)
     reader = rendered.reader if body.format in (None, "") else rendered.reader.constrained()
-    req = _start(http, body, rendered.ids, reader, tools_offered=bool(reader.names))
+    req = await _start(http, body, rendered.ids, reader, tools_offered=bool(reader.names))
     return await respond(OllamaReply(http, req, body.model, True, reader), body.stream)
 
 
@@ -157,7 +159,7 @@ async def generate(body: OllamaGenerateRequest, http: HttpRequest):
         reader = chat_render.prompt_reader(tok, text)
     prompt = context + prompt
     reader = reader if body.format in (None, "") else reader.constrained()
-    req = _start(http, body, prompt, reader)
+    req = await _start(http, body, prompt, reader)
     return await respond(OllamaReply(http, req, body.model, False, reader, prompt), body.stream)
 
 

@@ -92,11 +92,11 @@ def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: li
     return grammars.check(grammar, param)
 
 
-def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, logprobs: int | None,
+async def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, logprobs: int | None,
             tool_functions: list[dict] | None = None) -> SamplingParams:
     generation.check_model(http, body.model)
     engine = generation.engine_of(http)
-    grammar = output_grammar(engine.grammars, body, tool_functions)
+    grammar = await asyncio.to_thread(output_grammar, engine.grammars, body, tool_functions)  # compiles: off the loop
     params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar, tool_functions is not None)
     generation.check_stops(http, params.stop, "stop")
     return params
@@ -189,7 +189,7 @@ async def completions(body: CompletionRequest, http: HttpRequest):
     prompts = prompts_of(body.prompt)
     ids = prompt_ids(tok, prompts)
     scoring = body.echo and body.logprobs is not None  # the echoed prompt comes with its logprobs too
-    params = _params(http, body, body.max_tokens, body.logprobs)
+    params = await _params(http, body, body.max_tokens, body.logprobs)
     reqs = _start_prompts(http, body, ids, dataclasses.replace(params, prompt_logprobs=body.logprobs) if scoring else params)
     # choice i answers prompt i // n; ids decode only once the engine has checked them
     echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in prompts]
@@ -225,7 +225,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     rendered = chat_render.render_chat(tok, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = _params(http, body, max_tokens, logprobs, tools.forced_tools(body))
+    params = await _params(http, body, max_tokens, logprobs, tools.forced_tools(body))
     reader = rendered.reader if params.grammar is None else rendered.reader.constrained()
     reqs = _start_prompts(http, body, [rendered.ids], reader.sampling(params))
     if body.stream:

@@ -132,14 +132,14 @@ def _stored(http: HttpRequest, response_id: str, param: str = "response_id") -> 
     return settle(http, session)  # one whose run died with its server reads as incomplete
 
 
-def _start(run: _Run, previous: Session | None) -> Sequence:
+async def _start(run: _Run, previous: Session | None) -> Sequence:
     http, body = run.http, run.body
     engine = generation.engine_of(http)
     chat = chat_request(body, [*run.history, *run.turn], chat_template.thinks(engine.tokenizer))
     rendered = chat_render.render_chat(engine.tokenizer, chat)
     prompt = rendered.ids
     forced = tools.forced_tools(chat)
-    grammar = openai.output_grammar(engine.grammars, chat, forced)
+    grammar = await asyncio.to_thread(openai.output_grammar, engine.grammars, chat, forced)  # compiles: off the loop
     vocab = engine.model.config.vocab_size
     run.reader = rendered.reader if grammar is None else rendered.reader.constrained()
     params = run.reader.sampling(openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar,
@@ -168,7 +168,7 @@ async def create_response(body: ResponseRequest, http: HttpRequest):
         history = previous.meta["conversation"]
     run = _Run(http, body, history, input_items(body.input))
     check_call_outputs(history, run.turn)
-    req = _start(run, previous)
+    req = await _start(run, previous)
     if body.stream:
         return StreamingResponse(_stream(run, req), media_type="text/event-stream", headers=generation.SSE_HEADERS)
     try:

@@ -1,6 +1,8 @@
 """TGI-compatible routes: /generate, /generate_stream, and / (which picks one by `stream`)."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter
 from fastapi import Request as HttpRequest
 from fastapi.responses import StreamingResponse
@@ -51,10 +53,11 @@ def tgi_params(p: GenerateParameters, grammar: str | None = None) -> SamplingPar
     )
 
 
-def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
+async def _start(http: HttpRequest, body: GenerateRequest) -> Sequence:
     engine = generation.engine_of(http)
     generation.check_stops(http, tuple(body.parameters.stop), "parameters.stop")
-    params = tgi_params(body.parameters, tgi_grammar(engine.grammars, body.parameters))
+    grammar = await asyncio.to_thread(tgi_grammar, engine.grammars, body.parameters)  # compiles: off the loop
+    params = tgi_params(body.parameters, grammar)
     prompt = engine.tokenizer.encode(body.inputs)
     if body.parameters.truncate is not None:
         prompt = prompt[-body.parameters.truncate :]
@@ -81,7 +84,7 @@ def _details(req: Sequence, f: Finished) -> dict:
 
 @router.post("/generate")
 async def generate(body: GenerateRequest, http: HttpRequest) -> dict:
-    req = _start(http, body)
+    req = await _start(http, body)
     tokens, finished = await generation.collect(http, req)
     text = (body.inputs if body.parameters.return_full_text else "") + finished.output
     out: dict = {"generated_text": text}
@@ -93,7 +96,7 @@ async def generate(body: GenerateRequest, http: HttpRequest) -> dict:
 
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, http: HttpRequest) -> StreamingResponse:
-    req = _start(http, body)
+    req = await _start(http, body)
     tok = generation.engine_of(http).tokenizer
 
     async def stream():

@@ -2,14 +2,20 @@
 calls), compiled by llguidance into a matcher that gives the tokens allowed next.
 
 llguidance rather than xgrammar or outlines-core: it installs here as one Rust wheel with no
-dependencies, reads `tokenizer.json` directly, compiles a schema fast enough to do it in the request's
-handler (never on the model thread), and computes a row's mask in a small fraction of a step, so
+dependencies, reads `tokenizer.json` directly, and computes a row's mask in a small fraction of a step, so
 masks for a step are computed while its forward runs.
+
+A client's constraint is checked in three stages, so that none can crash or freeze the server: its size
+and depth first (constraint_limits.py), then a first compile in a child process under a time budget
+(grammar_worker.py), and only then a compile here, off the event loop, kept for the request's matchers.
+A mask that overruns its own budget ends its reply as one that cannot meet the grammar.
 """
 from __future__ import annotations
 
 import json
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -21,28 +27,33 @@ from models.tokenizer import TextTokenizer
 
 from ..errors import InvalidRequest
 from .closing import OPEN, WINDOW, Ending, Vocabulary, nest
+from .constraint_limits import check_grammar, check_regex, check_schema, check_size, check_tools
 from .grammar_ends import can_end
+from .grammar_worker import LIMITS, ConstraintRefused, GrammarWorkers
 
 
 # Fixed separators and no free whitespace in generated JSON: a small model otherwise pads it with
 # newlines and indentation until max_tokens.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 RECHECK = 16  # tokens between looks for the shortest ending while the end is still far
-# llguidance's parser refuses a row of more than 2,000 Earley items by default, and a choice among more
-# alternatives than that (an enum of names as a grammar) is one such row once its first byte is read: the
-# reply failed there. A wider row is allowed, while step_max_items still bounds what any one mask may cost.
-# Errors stay short: a verbose one quotes the whole grammar back to the client.
-LIMITS = llguidance.LLParserLimits(max_items_in_row=20_000, verbose_errors=False)
+WORKERS = 2  # children checking grammars at once: one slow grammar leaves the other for everyone else
+COMPILED = 64  # grammars kept compiled, the most recent: agents send the same tool list turn after turn
 
 
 class Grammars:
     """Compiles output constraints for one tokenizer (its llguidance view is built on first use)."""
 
-    def __init__(self, tokenizer: TextTokenizer, max_context: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, max_context: int, compile_budget_s: float = 10.0,
+                 mask_budget_s: float = 2.0) -> None:
         self._tokenizer, self.max_context = tokenizer, max_context
+        self.mask_budget_s = mask_budget_s
         self._ll: llguidance.LLTokenizer | None = None
         self._vocab: Vocabulary | None = None
         self._lock = threading.Lock()
+        spec = {"json": tokenizer.tokenizer.to_str(), "n_vocab": tokenizer.vocab_size,
+                "eos": sorted(tokenizer.eos_ids) or None}
+        self.workers = GrammarWorkers(spec, WORKERS, compile_budget_s)
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -66,21 +77,25 @@ class Grammars:
     @staticmethod
     def json_schema(schema: Any, param: str) -> str:
         if isinstance(schema, str):
+            check_size(schema, param)
             try:
                 schema = json.loads(schema)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
                 raise InvalidRequest(f"the JSON schema is not JSON: {e}", param=param) from None
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("a JSON schema must be an object", param=param)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        check_schema(schema, param)
+        return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT), param)
 
     @staticmethod
-    def regex(pattern: str) -> str:
-        return llguidance.LLMatcher.grammar_from_regex(pattern)
+    def regex(pattern: str, param: str = "guided_regex") -> str:
+        check_regex(pattern, param)
+        return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_regex(pattern), param)
 
     @staticmethod
     def lark(text: str, param: str) -> str:
         """A Lark grammar, or GBNF (llama.cpp's format), which llguidance converts."""
+        check_grammar(text, param)
         try:
             lark = any_to_lark(text)
             grammar = llguidance.LLMatcher.grammar_from_lark(lark)
@@ -92,15 +107,19 @@ class Grammars:
         return grammar
 
     @staticmethod
-    def choice(options: list[str]) -> str:
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(o) for o in options))
+    def choice(options: list[str], param: str = "guided_choice") -> str:
+        lark = "start: " + " | ".join(json.dumps(o) for o in options)
+        check_size(lark, param)
+        return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_lark(lark), param)
 
     @staticmethod
-    def tool_calls(tools: list[dict], parallel: bool) -> str:
+    def tool_calls(tools: list[dict], parallel: bool, param: str = "tools") -> str:
         """One or more (or exactly one) `<tool_call>` blocks, each a JSON call of one of `tools`."""
+        check_tools(len(tools), param)
         defs: dict[str, Any] = {}
         calls = []
         for i, t in enumerate(tools):
+            check_schema(t["parameters"], f"{param}[{i}].parameters")
             at = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{i}/properties/arguments"
             arguments = _embedded(t["parameters"], defs, f"tool{i}_", at)
             calls.append({"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": arguments},
@@ -108,35 +127,50 @@ class Grammars:
         root = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = json.dumps({**root, **({"$defs": defs} if defs else {}), "x-guidance": JSON_LAYOUT})
         lark = f'start: call{"+" if parallel else ""}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>\\n"'
-        return llguidance.LLMatcher.grammar_from_lark(lark)
+        check_size(lark, param)
+        return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_lark(lark), param)
 
     # ---- matchers ------------------------------------------------------------------------------
     def check(self, grammar: str, param: str) -> str:
-        """Raise a 400 naming the problem if `grammar` does not compile, or if no output can ever satisfy it:
-        its language is empty, or it forces more tokens than the context holds. Returns it."""
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer, limits=LIMITS)
-        if error and not error.startswith("WARNING"):
-            raise InvalidRequest(f"invalid {param}: {error.strip()}", param=param)
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LIMITS)
-        matcher.compute_logit_bias()  # an empty language shows once the first mask is asked for
-        if matcher.is_error() and _reason(matcher) == "NoExtensionBias":  # no token at all may come first
-            raise InvalidRequest(f"invalid {param}: no output can match it (its language is empty)", param=param)
-        if not matcher.is_error() and _forces_past(matcher, self.max_context):
-            raise InvalidRequest(f"invalid {param}: no output can complete it: it forces more than the context of "
-                                 f"{self.max_context} tokens before it could end (a rule that must always recur?)",
-                                 param=param)
-        if matcher.is_error():  # one of the parser's limits, met where a reply would meet it too
-            raise InvalidRequest(f"invalid {param}: the grammar engine cannot follow it: {_reason(matcher)}",
-                                 param=param)
+        """Raise a 400 naming the problem if `grammar` does not compile, if no output can ever satisfy it (its
+        language is empty, or it forces more tokens than the context holds), or if compiling it crashed the
+        grammar library or overran the budget; else compile it here for the request's matchers. Blocks for
+        up to the budget: call it off the event loop. Returns the grammar."""
+        try:
+            self.workers.check(grammar, self.max_context)
+        except ConstraintRefused as e:
+            raise InvalidRequest(f"invalid {param}: {e}", param=param) from None
+        compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LIMITS)
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > COMPILED:
+                self._compiled.popitem(last=False)
         return grammar
 
     def matcher(self, grammar: str | None) -> Constraint | None:
-        """A request's grammar state (None for no grammar). Compiled in the handler's thread, before it
-        takes the engine's lock, which the model thread would otherwise wait on."""
+        """A request's grammar state (None for no grammar): a copy of the one check() compiled."""
         if grammar is None:
             return None
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LIMITS)
-        return Constraint(matcher, Ending(self.vocabulary, self._tokenizer.vocab_size))
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+        matcher = (compiled.deep_copy() if compiled is not None else
+                   llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=LIMITS))
+        return Constraint(matcher, Ending(self.vocabulary, self._tokenizer.vocab_size), self.mask_budget_s)
+
+    def close(self) -> None:
+        self.workers.close()
+
+
+def _compiled_text(build: Callable[[], str], param: str) -> str:
+    """A grammar from llguidance's converters, whose errors on bad input are plain exceptions."""
+    try:
+        return build()
+    except RecursionError:
+        raise InvalidRequest(f"invalid {param}: it nests too deeply to read", param=param) from None
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise InvalidRequest(f"invalid {param}: {str(e)[:500]}", param=param) from None
 
 
 def _embedded(schema: Any, defs: dict, prefix: str, at: str) -> Any:
@@ -164,35 +198,12 @@ def _embedded(schema: Any, defs: dict, prefix: str, at: str) -> Any:
     return walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
 
 
-def _forces_past(matcher: llguidance.LLMatcher, limit: int) -> bool:
-    """Whether the grammar forces more than `limit` tokens from its start, with no choice that could end it
-    (say `start: "a" start`). llguidance gives a forced run in bounded pieces: take them until one ends it
-    or the limit is passed. A piece the parser cannot follow (one of its limits, never the grammar's end)
-    stops the count with no such claim; the matcher is then in error, for the caller to report."""
-    forced = 0
-    while not matcher.is_accepting():
-        tokens = matcher.compute_ff_tokens()
-        if not tokens:
-            return False  # a choice comes next: whether it can end is not known here
-        forced += len(tokens)
-        if forced > limit:
-            return True
-        if not matcher.consume_tokens(tokens):
-            return False
-    return False
-
-
-def _reason(matcher: llguidance.LLMatcher) -> str:
-    """The matcher's error, without the marker llguidance puts where the verbose part would be."""
-    return matcher.get_error().replace("<non-verbose/>", "").strip()
-
-
 class Constraint:
     """One request's grammar state: the tokens it allows next, advanced by each sampled token, and the
     shortest ending from here, so that a reply near its last tokens closes in time (closing.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, ending: Ending) -> None:
-        self.matcher, self.ending = matcher, ending
+    def __init__(self, matcher: llguidance.LLMatcher, ending: Ending, budget_s: float = float("inf")) -> None:
+        self.matcher, self.ending, self.budget_s = matcher, ending, budget_s
         self.nesting = OPEN
         self.ending_tokens: list[int] | None = None  # the shortest ending found from here (None: none in reach)
         self._looked_at: int | None = None  # the tokens left when it was looked for; None: look again
@@ -201,22 +212,24 @@ class Constraint:
         # call, a nested object) may cost, so sampled tokens are checked from that far before the end
         self._reach = 0
         self._left = 0  # the tokens left at the last mask
-        self.failed = False  # the grammar allowed no token at all: the reply cannot meet it
+        self.failed = False  # the grammar allowed no token at all (or a mask overran): the reply cannot meet it
         self.dead_after: int | None = None  # this step's first draft row whose grammar allowed nothing
 
     def allowed(self, left: int) -> np.ndarray:
         """bool [vocab]: the tokens that keep the output within the grammar (EOS once it is complete), with
-        `left` tokens the reply may still take."""
+        `left` tokens the reply may still take. A mask that took longer than the budget ends the reply
+        (finish "unmet"): the step waits on every row's mask, so one costly grammar would slow every tenant."""
+        began = time.monotonic()
         mask = self.ending.allowed(self.matcher)
         self._left = left
-        if not mask.any():
-            self.failed = True
-            mask[sorted(self.ending.vocab.eos)] = True  # end the reply: its finish says the grammar was not met
-            return mask
-        if self._looked_at is None or self._looked_at - left >= RECHECK:
+        if mask.any() and (self._looked_at is None or self._looked_at - left >= RECHECK):
             self.ending_tokens = self.ending.search(self.matcher.deep_copy(), self.nesting, left)
             self._looked_at = left
             self._reach = max(self._reach, len(self.ending_tokens or ()))
+        if not mask.any() or time.monotonic() - began > self.budget_s:
+            self.failed = True
+            mask[:] = False
+            mask[sorted(self.ending.vocab.eos)] = True  # end the reply: its finish says the grammar was not met
         return mask
 
     def draftable(self, drafts: list[int], left: int) -> int:

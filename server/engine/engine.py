@@ -67,7 +67,7 @@ class Engine(SessionOps, Admission):
         self._worker = worker or model_thread()
         self._worker.submit(self.runner.warm_up, layout).result()
         self.metrics = Metrics(model.name)
-        self.grammars = Grammars(self.tokenizer, self.max_context)
+        self.grammars = Grammars(self.tokenizer, self.max_context, config.constraint_timeout, config.mask_timeout)
         self.default_capacity = min(config.session_capacity, self.max_context)
         self.accepting = True
         # The scheduler, sessions and pool change on the step loop and in handlers: each side holds this.
@@ -121,6 +121,7 @@ class Engine(SessionOps, Admission):
             self.pool.tier.close()  # every block and record handed over is on disk before the process ends
         self._worker.shutdown(wait=True)
         self.runner.close()
+        self.grammars.close()
         if self.kv_events is not None:
             self.kv_events.close()
 

@@ -124,20 +124,25 @@ def can_end(lark: str, start: str = "start") -> bool | None:
     rules = _rules(tokens) if tokens is not None else None
     if not rules or start not in rules:
         return None
+    # a rule is looked at again only when one it names becomes productive: linear in the grammar's size,
+    # where sweeping every rule until none changes is quadratic in a chain of rules
+    users: dict[str, set[str]] = {}
+    for name, body in rules.items():
+        for kind, value in body:
+            if kind == "name":
+                users.setdefault(value, set()).add(name)
     known: set[str] = set()
-    while True:
-        grown = False
-        for name, body in rules.items():
-            if name in known:
-                continue
-            verdict = _productive(body, known)
-            if verdict is None:
-                return None
-            if verdict:
-                known.add(name)
-                grown = True
-        if not grown:
-            break
+    pending = list(rules)
+    while pending:
+        name = pending.pop()
+        if name in known:
+            continue
+        verdict = _productive(rules[name], known)
+        if verdict is None:
+            return None
+        if verdict:
+            known.add(name)
+            pending.extend(users.get(name, ()))
     used = {t for body in rules.values() for (k, t), before in zip(body, [None, *body]) if k == "name" and before != ("op", "->")}
     if used - rules.keys():
         return None  # a rule defined elsewhere (an import): no verdict

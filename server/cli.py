@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -262,7 +263,13 @@ def cmd_serve(args) -> int:
                             engine, args.shutdown_timeout)
     quiet_health_checks()  # after uvicorn.Config, which (re)configures the uvicorn loggers
     server.run()
-    return 0
+    # Everything is stopped and on disk now: the app's lifespan stopped the engine and closed its disk tier.
+    # The interpreter's own exit would go on to collect every object the model, tokenizer and torch made
+    # and run their modules' teardown, seconds past --shutdown-timeout, with nothing left to save.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if server.started else 1)
 
 
 class DrainingServer(uvicorn.Server):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import uvicorn
@@ -14,7 +15,7 @@ from server.engine.engine import Engine
 from server.listener import uvicorn_config
 from server.local import free_port, wait_healthy
 
-__all__ = ["LiveServer", "free_port", "metric", "metrics", "start_cli_server", "wait_healthy"]
+__all__ = ["HealthWatch", "LiveServer", "free_port", "metric", "metrics", "start_cli_server", "wait_healthy"]
 
 
 class LiveServer:
@@ -60,3 +61,33 @@ def metrics(url: str, headers: dict | None = None) -> dict[str, float]:
 def metric(url: str, prefix: str, headers: dict | None = None) -> float:
     """Sum of every sample whose name starts with `prefix`."""
     return sum(v for k, v in metrics(url, headers).items() if k.startswith(prefix))
+
+
+class HealthWatch:
+    """Polls /health from a thread while requests run: `slowest` is the longest answer it saw, `failures`
+    the polls that got no 200 (a crashed or frozen server)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.slowest, self.polls, self.failures = url, 0.0, 0, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._done.is_set():
+                began = time.monotonic()
+                try:
+                    self.failures += client.get(self.url + "/health").status_code != 200
+                except httpx.HTTPError:
+                    self.failures += 1
+                self.slowest = max(self.slowest, time.monotonic() - began)
+                self.polls += 1
+                time.sleep(0.02)
+
+    def __enter__(self) -> "HealthWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join(timeout=60)

@@ -1,9 +1,6 @@
 """A constraint cannot crash or freeze the server: each limit is refused with a 400 naming it, a compile past
 its budget is refused, and a grammar that crashes the grammar library costs one child process. /health
 answers quickly throughout, measured by a thread polling it while each request runs."""
-import threading
-import time
-
 import anthropic
 import httpx
 import llguidance
@@ -13,7 +10,7 @@ from models import load_model
 from server.config import EngineConfig
 from server.engine.grammar_worker import ConstraintRefused, GrammarWorkers
 
-from ..live_server import LiveServer
+from ..live_server import HealthWatch, LiveServer
 
 RULE_CHAIN = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000)) + 'r3000: "a"\n'
 PARENS = "start: " + "(" * 1000 + '"a"' + ")" * 1000
@@ -35,39 +32,13 @@ def server(tiny_checkpoints):
         yield s
 
 
-class HealthWatch:
-    """Polls /health from a thread while a request runs; `slowest` is the longest answer it saw."""
-
-    def __init__(self, url: str) -> None:
-        self.url, self.slowest, self.polls = url, 0.0, 0
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        with httpx.Client(timeout=30) as client:
-            while not self._done.is_set():
-                began = time.monotonic()
-                assert client.get(self.url + "/health").status_code == 200
-                self.slowest = max(self.slowest, time.monotonic() - began)
-                self.polls += 1
-                time.sleep(0.02)
-
-    def __enter__(self) -> "HealthWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join(timeout=60)
-
-
 def refused(server, path: str, body: dict) -> str:
     """The 400's message, with /health watched while the request ran."""
     with HealthWatch(server.url) as watch:
         r = httpx.post(server.url + path, json=body, timeout=120)
     assert r.status_code == 400, (r.status_code, r.text[:500])
     # the server decides this; a loaded machine can still delay one poll's thread, hence the margin
-    assert watch.slowest < 0.5, f"/health took {watch.slowest:.3f} s while {path} ran"
+    assert watch.failures == 0 and watch.slowest < 0.5, f"/health took {watch.slowest:.3f} s while {path} ran"
     return r.json()["error"]["message"]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 import time
@@ -18,6 +17,7 @@ from . import cluster
 from .config import KV_DTYPES, POOLINGS, EngineConfig, ServerConfig, parse_bytes
 from .engine.drafts import MODES, SpeculationConfig
 from .listener import origin_list, uvicorn_config
+from .local import exit_now
 
 log = logging.getLogger("kvserve")
 
@@ -263,13 +263,7 @@ def cmd_serve(args) -> int:
                             engine, args.shutdown_timeout)
     quiet_health_checks()  # after uvicorn.Config, which (re)configures the uvicorn loggers
     server.run()
-    # Everything is stopped and on disk now: the app's lifespan stopped the engine and closed its disk tier.
-    # The interpreter's own exit would go on to collect every object the model, tokenizer and torch made
-    # and run their modules' teardown, seconds past --shutdown-timeout, with nothing left to save.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0 if server.started else 1)
+    exit_now(0 if server.started else 1)  # the app's lifespan has stopped the engine and closed its disk tier
 
 
 class DrainingServer(uvicorn.Server):

@@ -13,7 +13,11 @@ session is then answered 409 because another replica holds it, and a restarted c
 disk for their first request, which takes each up on the replica it reaches.
 
 The cluster's /health is its own (server/cluster_health.py): 200 while any replica serves. Every line a
-replica, the router or nginx writes comes out of this process tagged with its name ("[replica 2] ...")."""
+replica, the router or nginx writes comes out of this process tagged with its name ("[replica 2] ...").
+
+SIGTERM drains the cluster as one server drains: the front door stops taking connections, the replicas
+finish what runs within their --shutdown-timeout, and only then do the router and nginx, which carry
+those answers' last bytes, stop (`drain`)."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +37,9 @@ from models.catalog import NAMED_MODELS, fetch
 
 from .cluster_front import start_nginx
 from .cluster_health import ClusterHealth, serve_health
+from .config import ServerConfig
 from .listener import allowed_hosts, origin_list
-from .local import free_port, stop, wait_healthy
+from .local import exit_now, free_port, wait_healthy
 
 POLICIES = ("kv_aware", "cache_aware", "round_robin", "consistent_hash", "power_of_two", "random")
 SESSION_TTL_S = 3600  # the router keeps a session on its replica until it has been idle this long
@@ -44,6 +50,9 @@ HEALTH_FLAGS = ["--health-check-interval-secs", "1", "--health-check-timeout-sec
 # vllm-router allows every origin unless given a list, and kvserve allows none unless told: a list of
 # one origin that cannot exist (.invalid is reserved, RFC 2606) makes the router allow none either
 NO_ORIGIN = "https://no-origin.invalid"
+# of the second past --shutdown-timeout a cluster may take to exit: the router's and nginx's last bytes after
+# the replicas have gone, then a kill for whatever still runs
+GRACE_S = 0.8
 
 
 @dataclass(frozen=True)
@@ -66,6 +75,13 @@ def allowed_origins(serve_args: list[str]) -> list[str]:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--allowed-origins", action="append", default=[])
     return list(origin_list(p.parse_known_args(serve_args)[0].allowed_origins))
+
+
+def shutdown_timeout(serve_args: list[str]) -> float:
+    """The replicas' --shutdown-timeout, as `kvserve serve` reads it."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--shutdown-timeout", type=float, default=ServerConfig().shutdown_timeout)
+    return p.parse_known_args(serve_args)[0].shutdown_timeout
 
 
 def router_command(binary: str, host: str, port: int, replicas: list[Replica], policy: str, model: str,
@@ -140,6 +156,43 @@ def watch(done: threading.Event, replicas: list[Replica], procs: list[subprocess
     return 0
 
 
+def drain(replicas: list[subprocess.Popen], router: subprocess.Popen | None, nginx: subprocess.Popen | None,
+          timeout: float) -> None:
+    """Stops the cluster without cutting a request: the front door (nginx, else the router) stops taking
+    connections at once, the replicas drain within `timeout`, then the router and nginx end, once what they
+    carry is through; anything still running `timeout` + GRACE_S after the start is killed."""
+    deadline = time.monotonic() + timeout + GRACE_S
+    if nginx is not None:
+        signal_alive(nginx, signal.SIGQUIT)  # nginx's graceful stop: its listener closes, open requests finish
+    elif router is not None:
+        signal_alive(router, signal.SIGTERM)  # the router's own graceful stop, likewise
+    for p in replicas:
+        signal_alive(p, signal.SIGTERM)  # each drains: new work gets 503, what runs finishes or ends
+    wait_until(replicas, deadline)
+    if router is not None:
+        signal_alive(router, signal.SIGTERM)
+    wait_until([p for p in (router, nginx) if p is not None], deadline)
+    for p in (*replicas, router, nginx):
+        if p is not None and p.poll() is None:
+            print(f"kvserve cluster: pid {p.pid} still ran {timeout + GRACE_S:.1f}s after the signal; killed",
+                  file=sys.stderr, flush=True)
+            p.kill()
+            p.wait()
+
+
+def signal_alive(p: subprocess.Popen, sig: int) -> None:
+    if p.poll() is None:
+        p.send_signal(sig)
+
+
+def wait_until(procs: list[subprocess.Popen], deadline: float) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
 def cmd_cluster(args) -> int:
     binary = router_binary()
     done = threading.Event()
@@ -151,7 +204,7 @@ def cmd_cluster(args) -> int:
     if allowed_hosts(args.host, ()) is None:  # the front door faces the network: replicas answer its Host names
         serve_args = ["--allowed-hosts", "*", *serve_args]
     replicas, procs = start(args.replicas, args.cores_per_replica, serve_args, args.model)
-    work = health = None
+    work = health = router = nginx = None
     try:
         health = serve_health(ClusterHealth([r.url for r in replicas]), "127.0.0.1", args.health_port or free_port())
         health_at = "127.0.0.1:%d" % health.server_address[1]
@@ -159,14 +212,15 @@ def cmd_cluster(args) -> int:
             wait_healthy(r.url, 600, p)
         router_port = free_port() if args.nginx else args.port
         router_host = "127.0.0.1" if args.nginx else args.host
-        procs.append(tag_output(subprocess.Popen(router_command(binary, router_host, router_port, replicas, args.policy,
-                                                                args.model, allowed_origins(serve_args)), **PIPES), "router"))
+        router = tag_output(subprocess.Popen(router_command(binary, router_host, router_port, replicas, args.policy,
+                                                            args.model, allowed_origins(serve_args)), **PIPES), "router")
+        procs.append(router)
         wait_healthy(f"http://{router_host}:{router_port}", 120, procs[-1])
         if args.nginx:
             work = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))
-            procs.append(tag_output(start_nginx(work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
-                                                [r.url.removeprefix("http://") for r in replicas], health_at, **PIPES),
-                                    "nginx"))
+            nginx = tag_output(start_nginx(work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
+                                           [r.url.removeprefix("http://") for r in replicas], health_at, **PIPES), "nginx")
+            procs.append(nginx)
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, 60, procs[-1])
         for r, p in zip(replicas, procs):
@@ -174,13 +228,14 @@ def cmd_cluster(args) -> int:
         # without nginx the router holds the public port, and its /health is 503 once any replica is dead
         print(f"cluster health on {url if args.nginx else 'http://' + health_at}/health", flush=True)
         print(f"router ({args.policy}){', behind nginx for sessions,' if args.nginx else ''} on {url}", flush=True)
-        return watch(done, replicas, procs)
+        code = watch(done, replicas, procs)
     finally:
+        drain(procs[:len(replicas)], router, nginx, shutdown_timeout(serve_args))
         if health is not None:
             health.shutdown()
-        stop(procs)
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
+    exit_now(code)  # all is stopped: the interpreter's teardown of torch's modules would only add seconds
 
 
 def add_parser(sub) -> None:

@@ -112,3 +112,16 @@ def test_a_grammar_that_crashes_the_library_costs_one_child_not_the_server(smoll
             workers.check(llguidance.LLMatcher.grammar_from_regex("a{3}b{0}[^\\s\\S]"), 512)
     finally:
         workers.close()
+
+
+def test_a_mask_past_its_budget_ends_the_reply_unmet_and_spares_free_text(tiny_checkpoints):
+    """Every mask overruns a budget of a nanosecond: a constrained reply ends at its first token, marked as
+    not meeting its constraint, while a reply with no constraint runs to its length."""
+    model = load_model(str(tiny_checkpoints["llama"]))
+    with LiveServer(model, EngineConfig(mask_timeout=1e-9), name="tiny") as s:
+        body = {**CHAT, "max_tokens": 6, "guided_regex": "[a-z]{20}"}
+        r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=120).json()
+        assert r["choices"][0]["finish_reason"] == "error" and r["usage"]["completion_tokens"] == 1
+        free = {**CHAT, "max_tokens": 6, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/chat/completions", json=free, timeout=120).json()
+        assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 6

@@ -6,7 +6,7 @@ import json
 import logging
 import time
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
@@ -16,6 +16,7 @@ from ..engine.engine import Engine
 from ..errors import ApiError, HeldElsewhere, InvalidRequest, NotFound
 from . import anthropic, console, embeddings, misc, ollama, ollama_manage, openai, responses, sessions, tgi
 from .guard import GuardMiddleware, error_response
+from .body_values import refuse_unusable_values
 from .peers import Peers
 
 log = logging.getLogger("kvserve.app")
@@ -47,7 +48,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
         if peers is not None:
             await peers.close()
 
-    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan, dependencies=[Depends(refuse_unusable_values)])
     app.state.engine, app.state.config = engine, config
     app.state.started = int(time.time())
     app.state.instance_id = engine.instance_id  # this process's boot id: a router tells a restarted replica by it

@@ -44,10 +44,11 @@ async def status(http: HttpRequest) -> dict:
     the pool's size; without, the whole server's too: the pool, the queue and the last minute's steps."""
     engine = generation.engine_of(http)
     with engine.lock:
-        return snapshot(engine, generation.owner_of(http), http.app.state.started)
+        return snapshot(engine, generation.owner_of(http), http.app.state.started, http.app.state.config.model_name)
 
 
-def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
+def snapshot(engine: Engine, principal: str | None, started: int, model_name: str) -> dict:
+    """`model_name`: the name clients send (--served-model-name), not the folder or repo it was loaded from."""
     blocks, sched, c = engine.pool.blocks, engine.scheduler, engine.config
     owner = owner_id(principal)
     sessions = []
@@ -69,7 +70,7 @@ def snapshot(engine: Engine, principal: str | None, started: int) -> dict:
     tenant = {**mine, "throughput": engine.recent.throughput(owner), "limits": limits}
     pool = {"budget_bytes": engine.pool.budget, "block_size": blocks.block_size, "block_bytes": blocks.block_bytes,
             "blocks": blocks.n_blocks}
-    out = {"object": "status", "scope": "server" if owner is None else "tenant", "model": engine.model.name,
+    out = {"object": "status", "scope": "server" if owner is None else "tenant", "model": model_name,
            "max_context": engine.max_context, "uptime_s": round(time.time() - started, 1), "tenant": tenant,
            "sessions": sessions}
     if owner is not None:  # a tenant sees its own share, never the others' load

@@ -85,3 +85,13 @@ def test_served_model_name_takes_several_names():
     assert parse_names(["a, b", "c", "a"]) == ("a", "b", "c")
     args = build_parser().parse_args(["serve", "--served-model-name", "first,second", "--served-model-name", "third"])
     assert parse_names(args.served_model_name) == ("first", "second", "third")
+
+
+def test_status_names_the_model_by_its_served_name(tiny_checkpoints):
+    from models import load_model
+
+    model = load_model(str(tiny_checkpoints["llama"]))  # its own name is its folder's
+    with LiveServer(model, server_config=ServerConfig(model_name="house-model", model_aliases=("other",))) as server:
+        assert model.name != "house-model"
+        assert httpx.get(server.url + "/v1/status").json()["model"] == "house-model"
+        assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "house-model"

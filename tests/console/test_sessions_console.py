@@ -124,3 +124,27 @@ def test_a_picked_session_deleted_meanwhile_is_said_plainly(fast_server, page):
     send_to_a_gone_session_and_start_anew(page, "Still there?")
     expect(page.locator("#session-mode")).to_have_value("new")  # the picked one is not written over
     assert_clean(page, "404")
+
+
+def test_the_live_view_creates_a_session(fast_server, view):
+    page, url = view, fast_server.url
+    boot(page, url)
+    page.click("button[data-tab=live]")
+    before = {s["id"] for s in httpx.get(url + "/v1/sessions").json()["data"]}
+    page.get_by_role("button", name="New session").click()
+    made = page.locator("#live-note")
+    expect(made).to_contain_text("Made session", timeout=10_000)
+    new = {s["id"] for s in httpx.get(url + "/v1/sessions").json()["data"]} - before
+    assert len(new) == 1, new
+    sid = new.pop()
+    expect(made).to_contain_text(sid)
+    row = page.locator(f'tr[data-id="{sid}"]')
+    expect(row).to_be_visible(timeout=5_000)  # in the table at the next status
+    expect(row.locator("td.state")).to_have_text("idle")
+    # and the chat can continue it at once
+    page.click("button[data-tab=chat]")
+    settings(page)
+    page.select_option("#session-mode", "existing")
+    expect(page.locator(f'#existing-session option[value="{sid}"]')).to_have_count(1, timeout=5_000)
+    httpx.delete(f"{url}/v1/sessions/{sid}")
+    assert_clean(page)

@@ -61,6 +61,15 @@ document.querySelectorAll(".tab").forEach((tab) => tab.addEventListener("click",
   $("#app").classList.toggle("wide", tab.dataset.tab === "live");
 }));
 
+// On a phone the settings go under the views, in the page's order and not only as drawn, so Tab reaches
+// the message box first; beside them on a wider screen, they come first.
+function placeSettings() {
+  if (PHONE.matches) $("#app").append($("#settings"));
+  else $("#app").prepend($("#settings"));
+}
+
+PHONE.addEventListener("change", placeSettings);
+placeSettings();
 // on a phone the settings start folded, so the message box is on the first screen
 if (PHONE.matches) $("#settings").open = false;
 connection.start(onStatus);

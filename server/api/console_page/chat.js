@@ -1,6 +1,7 @@
 // The chat. Each send resends the conversation on the page and the server keeps what it already holds of
 // it, so a session is continued, never overwritten, as long as the page shows its turns. A turn that
-// failed stays on the page, marked, and is never resent: it can be retried or removed.
+// failed stays on the page, marked, and is never resent: it can be retried or removed. A reply the server's
+// shutdown cut short is kept and sent on, marked, with a Retry that asks for the whole reply again.
 import { api, failure, json, readStream } from "./api.js";
 import * as connection from "./connection.js";
 import { replyStats } from "./format.js";
@@ -14,7 +15,11 @@ const FOLLOW_SLACK_PX = 40;  // this close to the bottom still counts as reading
 // "failed" or "dropped" (shown, never sent). A reply entry names its question in `user`.
 const chat = { entries: [], abort: null, textOnly: false };
 
-function hint(text) { $("#chat-hint").textContent = text; }
+// `busy`: a hint about the reply in flight, which goes when the reply ends
+function hint(text, busy = false) {
+  $("#chat-hint").textContent = text;
+  $("#chat-hint").dataset.busy = busy ? "1" : "";
+}
 
 function bubble(role, html) {
   const div = document.createElement("div");
@@ -61,10 +66,11 @@ function setBusy(busy) {
   $("#stop").disabled = !busy;
   const last = chat.entries.at(-1);
   $("#regenerate").disabled = busy || !(last && last.user && last.state === "ok");
+  if (!busy && $("#chat-hint").dataset.busy) hint("");
 }
 
 function send(text) {
-  if (chat.abort) { hint("A reply is still coming: wait for it, or press Stop."); return false; }
+  if (chat.abort) { hint("A reply is still coming: wait for it, or press Stop.", true); return false; }
   if (chat.textOnly) { hint("This session holds text, not chat turns: continue it in Completion, or start a New chat."); return false; }
   let params;
   try { params = settings.read(); } catch (err) { settings.show(err); return false; }
@@ -112,8 +118,20 @@ async function run(question, params) {
   chat.abort = null;
   question.state = reply.state = "ok";
   reply.content = text;
-  follow(() => { reply.el.querySelector(".stats").textContent = replyStats(started, first, usage) + ` · ${reason || "stopped"}`; });
+  const stats = reply.el.querySelector(".stats");
+  follow(() => {
+    // "abort": the server's drain ended the reply (its shutdown), not the model nor the user
+    stats.textContent = replyStats(started, first, usage) + " · " + (reason === "abort" ?
+      "cut short: the server shut down before the reply ended" : reason || "stopped");
+    if (reason === "abort") cutShort(question, reply);
+  });
   setBusy(false);
+}
+
+function cutShort(question, reply) {
+  reply.el.classList.add("cut");
+  reply.el.querySelector(".stats").classList.add("warn");
+  addButton(reply, "Retry", () => retry(question, reply));
 }
 
 // A prompt too long for its session, as the server words it -> whether a prompt of `count` tokens fits.

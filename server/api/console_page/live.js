@@ -122,6 +122,19 @@ $("#sessions").addEventListener("click", async (e) => {
   connection.check();
 });
 
+// A persistent session of the server's default size, to continue from the chat or the completion
+$("#new-session").addEventListener("click", async () => {
+  liveError("");
+  $("#live-note").textContent = "";
+  try {
+    const made = await json("/v1/sessions", { method: "POST", body: "{}" });
+    $("#live-note").textContent = `Made session ${made.id}: pick it in the chat, under Settings, to continue it.`;
+  } catch (err) {
+    liveError(`new session failed: ${err.message}`);
+  }
+  connection.check();
+});
+
 connection.watch((state) => {
   const note = $("#stale-note");
   note.hidden = state !== "reconnecting" && state !== "unreachable";

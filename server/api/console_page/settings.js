@@ -64,7 +64,10 @@ export function show(err) {
   note.textContent = err.message;
   input.insertAdjacentElement("afterend", note);
   $("#settings").open = true;  // folded away on a phone: the message must be seen
-  input.focus();
+  input.focus({ preventScroll: true });
+  // the field and its message, whole, on the screen: focus alone would show the field and leave the
+  // message below it, out of sight on a phone
+  input.closest("label").scrollIntoView({ block: "nearest" });
 }
 
 function clear() {

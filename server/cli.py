@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -217,13 +218,22 @@ def cmd_generate(args) -> int:
         session = engine.create_session(None, None, None, persistent=False)
         req = engine.submit(session, prompt, params, resend=False)
         output = output_stream(engine, req)
-        while not isinstance(event := output.render(await req.events.get()), Finished):
-            sys.stdout.write(event.text if event is not None else "")
+        try:
+            while not isinstance(event := output.render(await req.events.get()), Finished):
+                sys.stdout.write(event.text if event is not None else "")
+                sys.stdout.flush()
+            sys.stdout.write((event.last.text if event.last is not None else "") + event.text)
+            sys.stdout.write("\n")
             sys.stdout.flush()
-        sys.stdout.write((event.last.text if event.last is not None else "") + event.text)
-        sys.stdout.write("\n")
-        await engine.stop()
-        return 0 if event.error is None else 1
+            return 0 if event.error is None else 1
+        except BrokenPipeError:
+            # the reader left (`| head -c 20`): end quietly, with the status of a tool that SIGPIPE ended,
+            # and let nothing flush into the closed pipe again at exit
+            engine.cancel(req)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
+        finally:
+            await engine.stop()  # else the model thread waits for work while the interpreter joins it
 
     return asyncio.run(run())
 

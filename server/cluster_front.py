@@ -8,9 +8,11 @@ else the id in `/v1/sessions/{id}/...`. A request with neither goes to the route
 its sessions hash to the next one, which takes them up from a shared --kv-disk.
 
 nginx also answers for the cluster as a whole: /health goes to the cluster's own health endpoint
-(server/cluster_health.py); an error nginx makes itself (a replica gone mid-request, no replica to
-connect to) is kvserve's JSON error shape, never nginx's HTML page; and the router's CORS headers are
-its own, set to agree with the replicas' --allowed-origins (server/cluster.py).
+(server/cluster_health.py); every 5xx a client can get, whether nginx made it (a replica gone
+mid-request, no replica to connect to) or the router did (its plain-text "Backend request failed: ...
+http://127.0.0.1:PORT/..."), is replaced by kvserve's JSON error in the dialect of the request's path,
+as one server answers it (server/api/guard.py), never an HTML page or an internal address; and the
+router's CORS headers are its own, set to agree with the replicas' --allowed-origins (server/cluster.py).
 """
 from __future__ import annotations
 
@@ -20,20 +22,48 @@ import subprocess
 from pathlib import Path
 
 FAIL_TIMEOUT_S = 10  # a replica that refused a connection is skipped this long before nginx tries it again
-# the errors nginx makes itself, as kvserve's errors read (server/errors.py); a replica's own 503 (it is
-# draining) passes through untouched, since proxy_intercept_errors stays off
-ERRORS = {502: "the replica failed before it answered; try again",
+# Every 5xx is nginx's own answer (proxy_intercept_errors): the router's are plain text naming a replica's
+# address, and nginx cannot tell them from a replica's JSON 5xx, which therefore reads as these too.
+ERRORS = {500: "a replica failed while answering; try again",
+          502: "the replica failed before it answered; try again",
           503: "no replica can take the request now; try again",
           504: "a replica did not answer in time"}
 RETRY_AFTER_S = 1  # the next replica in the ring takes a dead one's sessions at once
+# a path of each dialect, whose errors take its shape (server/api/guard.py `error_response`); the regexes
+# that pick one for a request's path are the ones its `owns` checks
+DIALECTS = {"anthropic": ("/v1/messages", "~^/v1/messages(/|$)"), "responses": ("/v1/responses", "~^/v1/responses(/|$)"),
+            "ollama": ("/api/generate", "~^/api/"), "openai": ("/v1/chat/completions", "default")}
+
+
+def error_body(status: int, path: str) -> str:
+    """The JSON a kvserve server would answer on `path` for this status."""
+    from .api.guard import error_response  # the API's modules: only when a config is written
+    from .errors import ApiError
+
+    err = ApiError(ERRORS[status])
+    err.status, err.kind = status, "server_error" if status == 500 else "unavailable_error"
+    return error_response(err, path).body.decode()
+
+
+def error_maps() -> str:
+    """$kvserve_dialect from the path, and $kvserve_error_STATUS, the body for it."""
+    out = ["map $uri $kvserve_dialect {", *(f"    {rx} {name};" for name, (_, rx) in DIALECTS.items()), "}"]
+    for status in ERRORS:
+        out.append(f"map $kvserve_dialect $kvserve_error_{status} {{")
+        for name, (path, _) in DIALECTS.items():
+            body = error_body(status, path)
+            assert "'" not in body and "\\" not in body, body  # it is written between single quotes
+            out.append(f"    {'default' if name == 'openai' else name} '{body}';")
+        out.append("}")
+    return "\n    ".join(out)
 
 
 def error_locations() -> str:
     out = []
-    for status, message in ERRORS.items():
-        body = json.dumps({"error": {"message": message, "type": "unavailable_error", "param": None, "code": status}})
-        retry = f"add_header Retry-After {RETRY_AFTER_S} always;" if status != 504 else ""
-        out.append(f"location @kvserve_{status} {{ default_type application/json; {retry} return {status} '{body}'; }}")
+    for status in ERRORS:
+        retry = f"add_header Retry-After {RETRY_AFTER_S} always;" if status in (502, 503) else ""
+        out.append(f"location @kvserve_{status} {{ default_type application/json; {retry} "
+                   f"return {status} $kvserve_error_{status}; }}")
     return "\n        ".join(out)
 
 
@@ -49,6 +79,7 @@ def nginx_config(work: Path, listen: str, router: str, replicas: list[str], heal
     endpoint as HOST:PORT."""
     temp = "\n    ".join(f"{kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     servers = "\n        ".join(f"server {r} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;" for r in replicas)
+    error_pages = "\n        ".join(f"error_page {s} @kvserve_{s};" for s in ERRORS)
     return f"""# written by kvserve cluster --nginx (server/cluster_front.py)
 worker_processes 1;
 daemon off;
@@ -58,6 +89,7 @@ events {{ worker_connections 4096; }}
 http {{
     access_log off;
     {temp}
+    {error_maps()}
     map $uri $kvserve_path_session {{
         ~^/v1/sessions/(?<sid>[A-Za-z0-9_-]+) $sid;
         default "";
@@ -83,9 +115,7 @@ http {{
     server {{
         listen {listen};
         client_max_body_size 8m;
-        error_page 502 @kvserve_502;
-        error_page 503 @kvserve_503;
-        error_page 504 @kvserve_504;
+        {error_pages}
         {error_locations()}
         # the router's own /health is 503 once any replica is dead: the cluster's says whether any serves
         location = /health {{
@@ -98,6 +128,7 @@ http {{
             proxy_http_version 1.1;
             proxy_set_header Connection "";
             proxy_set_header Host $host;
+            proxy_intercept_errors on;  # the router's and replicas' 5xx too (ERRORS)
             # a replica that is down: once on to the next one in the ring. Without `non_idempotent`
             # nginx retries a POST only when it was never sent (the connection failed): one that was
             # sent may have run, and a second run would double a session's turn

@@ -281,4 +281,5 @@ def test_the_nginx_front_sends_session_traffic_to_replicas_and_the_rest_to_the_r
     assert "location = /health" in conf and "proxy_pass http://127.0.0.1:9003;" in conf  # the cluster's own health
     # never retried once sent, since a POST may have run; nginx's own errors in kvserve's JSON
     assert "proxy_next_upstream error timeout;" in conf and "proxy_next_upstream_tries 2;" in conf
-    assert all(f"error_page {s} @kvserve_{s};" in conf for s in (502, 503, 504))
+    assert all(f"error_page {s} @kvserve_{s};" in conf for s in (500, 502, 503, 504))
+    assert "proxy_intercept_errors on;" in conf  # the router's plain-text 5xx too, each in its path's dialect

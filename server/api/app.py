@@ -15,6 +15,7 @@ from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import ApiError, HeldElsewhere, InvalidRequest, NotFound
 from . import anthropic, console, embeddings, misc, ollama, ollama_manage, openai, responses, sessions, tgi
+from .generation import ClientGoneLog
 from .guard import GuardMiddleware, error_response
 from .body_values import refuse_unusable_values
 from .peers import Peers
@@ -79,6 +80,7 @@ def create_app(engine: Engine, config: ServerConfig, api_keys: frozenset[str] = 
         return error_response(ApiError(f"internal error: {type(exc).__name__}"), request.url.path)
 
     app.add_middleware(GuardMiddleware, keys=api_keys, config=config)
+    app.add_middleware(ClientGoneLog)
     if config.allowed_origins:  # added last, so outside the guard: a preflight carries no API key
         # any request header, as vLLM allows: the browser SDKs send their own (x-stainless-*, anthropic-*);
         # the origin list is the gate

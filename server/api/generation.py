@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,7 @@ from . import model_names
 from .output_stream import OutputStream
 
 
+log = logging.getLogger("kvserve.api")
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming handler asks whether its client is still there
 
 
@@ -125,7 +127,26 @@ async def collect(http: HttpRequest, req: Sequence) -> tuple[list[TokenEvent], F
             raise_if_failed(event)
             return tokens + ([event.last] if event.last is not None else []), event
         tokens.append(event)
-    raise asyncio.CancelledError("client disconnected")
+    raise ClientGone("client disconnected")
+
+
+class ClientGone(asyncio.CancelledError):
+    """A non-streaming request whose client left before its answer: the request is cancelled and nobody is
+    left to answer, so the handler unwinds as a cancellation does (ClientGoneLog logs it)."""
+
+
+class ClientGoneLog:
+    """Outermost but for Starlette's error page: a client that left (timed out, say) is one log line, not the
+    traceback uvicorn gives any exception that leaves the app."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await self.app(scope, receive, send)
+        except ClientGone:
+            log.info("%s %s: the client disconnected before its answer", scope.get("method"), scope.get("path"))
 
 
 async def merged(http: HttpRequest, reqs: list[Sequence]) -> AsyncIterator[tuple[int, TokenEvent | Finished]]:

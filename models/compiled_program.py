@@ -23,6 +23,7 @@ architecture files stay Python.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import logging
 import os
@@ -44,6 +45,7 @@ log = logging.getLogger("kvserve.compiled")
 
 PACKAGE_FILE = "program.pt2"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_partial: Path | None = None  # the package being written, in a compile's own process (main)
 
 
 class Program:
@@ -88,6 +90,8 @@ def compile_package(module: nn.Module, max_context: int, folder: Path) -> Path:
     # beside the folder, not in it: a compile cut short leaves nothing the artifact's fingerprint would hash
     fd, tmp = tempfile.mkstemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".pt2")
     os.close(fd)
+    global _partial
+    _partial = Path(tmp)  # what the SIGTERM handler of `main` removes
     inductor_log = logging.getLogger("torch._inductor")
     level = inductor_log.level
     inductor_log.setLevel(logging.ERROR)  # it warns of each op it leaves to ATen, which is the point here
@@ -99,6 +103,7 @@ def compile_package(module: nn.Module, max_context: int, folder: Path) -> Path:
     finally:
         inductor_log.setLevel(level)
         Path(tmp).unlink(missing_ok=True)
+        _partial = None
     return folder / PACKAGE_FILE
 
 
@@ -133,8 +138,11 @@ def compile_in_background(program: Program, folder: Path) -> threading.Thread:
     nothing behind), then switch the model thread to it; a failure leaves program.py serving, and says why."""
     def run() -> None:
         start = time.time()
+        # a session of its own: its process group holds the C++ compilers it starts, which it takes down
+        # with itself when the server's exit signals it
         done = subprocess.run([sys.executable, "-m", "models.compiled_program", str(folder)], capture_output=True,
-                              text=True, preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent)
+                              text=True, start_new_session=True, preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+                              cwd=Path(__file__).resolve().parent.parent)
         package = load_package(program.module, folder) if done.returncode == 0 else None
         if package is None:
             log.warning("compiling the program failed: program.py serves (%s)", done.stderr.strip()[-500:] or done.returncode)
@@ -147,9 +155,26 @@ def compile_in_background(program: Program, folder: Path) -> threading.Thread:
     return thread
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the server exits, however it exits (Linux's PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _die_with_parent(parent: int) -> None:
+    """In the child: SIGTERM when the server exits, however it exits (Linux's PR_SET_PDEATHSIG), so that it
+    removes its partial package and ends its compilers (`_end_on_sigterm`); a server already gone ends it now."""
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _end_on_sigterm() -> None:
+    """SIGTERM: remove the package written so far, then SIGKILL the process group, compilers (g++, cc1plus)
+    and this process with them, where this process leads its group (as the server starts it); a compile
+    run from a shell ends alone, never the shell's job."""
+    def end(signum, frame) -> None:
+        if _partial is not None:
+            _partial.unlink(missing_ok=True)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, end)
 
 
 def main(argv: list[str]) -> int:
@@ -160,6 +185,7 @@ def main(argv: list[str]) -> int:
     from .export import saved_program
     from .quant import load_model_kernels
 
+    _end_on_sigterm()
     load_model_kernels()  # the program calls kvserve_native ops: they must exist before it is read
     folder = Path(argv[0])
     meta = json.loads((folder / "kvserve.json").read_text())

@@ -1,8 +1,9 @@
 """`kvserve cluster`: N `kvserve serve` replicas on loopback, each pinned to its own cores and publishing
 its KV events, behind vllm-router (the `cluster` extra), which routes each request to the replica that
-holds most of its prefix (kv_aware); with --nginx, nginx in front sends session traffic straight to the
-session's replica (server/cluster_front.py). It launches, watches and stops processes; the routing is
-the router's and nginx's (docs/scaling.md).
+holds most of its prefix (kv_aware). nginx fronts it where installed, so that every error a client
+gets is kvserve's JSON; with --nginx it also sends session traffic straight to the session's replica
+(server/cluster_front.py). It launches, watches and stops processes; the routing is the router's and
+nginx's (docs/scaling.md).
 
 A replica that dies is reported and left out: the router's health checks stop sending to it, and the
 others go on. It is not restarted: its sessions moved to the next replica in nginx's ring (by a shared
@@ -35,7 +36,7 @@ from pathlib import Path
 from kvcache.block_pool import DEFAULT_BLOCK_SIZE
 from models.catalog import NAMED_MODELS, fetch
 
-from .cluster_front import start_nginx
+from .cluster_front import nginx_binary, start_nginx
 from .cluster_health import ClusterHealth, serve_health
 from .config import ServerConfig
 from .listener import allowed_hosts, origin_list
@@ -203,6 +204,14 @@ def cmd_cluster(args) -> int:
         fetch(args.model)  # once, before N replicas would each download it on a first start
     if allowed_hosts(args.host, ()) is None:  # the front door faces the network: replicas answer its Host names
         serve_args = ["--allowed-hosts", "*", *serve_args]
+    front = nginx_binary()  # nginx turns every 5xx into kvserve's JSON; without it the router's are plain text
+    if front is None and args.nginx:
+        print("kvserve cluster: nginx is not installed (Debian: apt-get install nginx-light); --nginx needs it",
+              file=sys.stderr, flush=True)
+        return 2
+    if front is None:
+        print("kvserve cluster: nginx is not installed, so the router holds the port and its own errors are plain "
+              "text (Debian: apt-get install nginx-light)", file=sys.stderr, flush=True)
     replicas, procs = start(args.replicas, args.cores_per_replica, serve_args, args.model)
     work = health = router = nginx = None
     try:
@@ -210,24 +219,26 @@ def cmd_cluster(args) -> int:
         health_at = "127.0.0.1:%d" % health.server_address[1]
         for r, p in zip(replicas, procs):
             wait_healthy(r.url, 600, p)
-        router_port = free_port() if args.nginx else args.port
-        router_host = "127.0.0.1" if args.nginx else args.host
+        router_port = free_port() if front else args.port
+        router_host = "127.0.0.1" if front else args.host
         router = tag_output(subprocess.Popen(router_command(binary, router_host, router_port, replicas, args.policy,
                                                             args.model, allowed_origins(serve_args)), **PIPES), "router")
         procs.append(router)
         wait_healthy(f"http://{router_host}:{router_port}", 120, procs[-1])
-        if args.nginx:
+        if front:
             work = Path(tempfile.mkdtemp(prefix="kvserve-nginx-"))
-            nginx = tag_output(start_nginx(work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
-                                           [r.url.removeprefix("http://") for r in replicas], health_at, **PIPES), "nginx")
+            nginx = tag_output(start_nginx(front, work, f"{args.host}:{args.port}", f"127.0.0.1:{router_port}",
+                                           [r.url.removeprefix("http://") for r in replicas], health_at, args.nginx,
+                                           **PIPES), "nginx")
             procs.append(nginx)
         url = f"http://{args.host}:{args.port}"
         wait_healthy(url, 60, procs[-1])
         for r, p in zip(replicas, procs):
             print(f"replica {r.url} on cores {','.join(map(str, r.cores))}, pid {p.pid}, KV events {r.events}", flush=True)
         # without nginx the router holds the public port, and its /health is 503 once any replica is dead
-        print(f"cluster health on {url if args.nginx else 'http://' + health_at}/health", flush=True)
-        print(f"router ({args.policy}){', behind nginx for sessions,' if args.nginx else ''} on {url}", flush=True)
+        print(f"cluster health on {url if front else 'http://' + health_at}/health", flush=True)
+        behind = "" if not front else ", behind nginx for sessions," if args.nginx else ", behind nginx,"
+        print(f"router ({args.policy}){behind} on {url}", flush=True)
         code = watch(done, replicas, procs)
     finally:
         drain(procs[:len(replicas)], router, nginx, shutdown_timeout(serve_args))
@@ -245,11 +256,11 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--policy", choices=POLICIES, default="kv_aware")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="the cluster's port: the router's, or nginx's with --nginx")
+    p.add_argument("--port", type=int, default=8000, help="the cluster's port: nginx's, or the router's where nginx is missing")
     p.add_argument("--nginx", action="store_true",
-                   help="nginx in front: requests with a session (X-Session-Id, /v1/sessions/ID) go to its replica")
+                   help="nginx sends requests with a session (X-Session-Id, /v1/sessions/ID) to its replica")
     p.add_argument("--health-port", type=int, default=0,
                    help="loopback port of the cluster's own /health (200 while any replica serves); default: a free "
-                        "one. With --nginx it is also the public port's /health")
+                        "one. Behind nginx it is also the public port's /health")
     p.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: flags for every replica's kvserve serve")
     p.set_defaults(func=cmd_cluster)

@@ -1,5 +1,6 @@
-"""nginx in front of `kvserve cluster` (--nginx): session traffic goes straight to the replica that holds
-the session, the rest to vllm-router.
+"""nginx in front of `kvserve cluster`: with --nginx, session traffic goes straight to the replica that
+holds the session, the rest to vllm-router; without it, all of it to the router. nginx fronts the cluster
+whenever it is installed, for its errors (below): only where it is missing does the router hold the port.
 
 A session lives on one replica. The router cannot keep all of a session's routes there: it forwards
 `/v1/sessions/...` without the client's headers, and keys its affinity on the body's model, which a GET
@@ -67,20 +68,19 @@ def error_locations() -> str:
     return "\n        ".join(out)
 
 
-def nginx_binary() -> str:
+def nginx_binary() -> str | None:
+    """nginx's path, or None where it is not installed."""
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
-    if not Path(binary).exists():
-        raise OSError("nginx is not installed (Debian: apt-get install nginx-light); it is needed for --nginx")
-    return binary
+    return binary if Path(binary).exists() else None
 
 
-def nginx_config(work: Path, listen: str, router: str, replicas: list[str], health: str) -> str:
+def nginx_config(work: Path, listen: str, router: str, replicas: list[str], health: str, sessions: bool = True) -> str:
     """The whole nginx.conf: `listen` (HOST:PORT), `router`, each replica and the cluster's `health`
-    endpoint as HOST:PORT."""
+    endpoint as HOST:PORT; with `sessions`, session traffic goes to its replica, else everything to the router."""
     temp = "\n    ".join(f"{kind}_temp_path {work / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     servers = "\n        ".join(f"server {r} max_fails=1 fail_timeout={FAIL_TIMEOUT_S}s;" for r in replicas)
     error_pages = "\n        ".join(f"error_page {s} @kvserve_{s};" for s in ERRORS)
-    return f"""# written by kvserve cluster --nginx (server/cluster_front.py)
+    return f"""# written by kvserve cluster (server/cluster_front.py)
 worker_processes 1;
 daemon off;
 pid {work / "nginx.pid"};
@@ -101,7 +101,7 @@ http {{
     }}
     map $kvserve_session $kvserve_upstream {{
         ""      kvserve_router;
-        default kvserve_sessions;
+        default {"kvserve_sessions" if sessions else "kvserve_router"};
     }}
     upstream kvserve_sessions {{
         hash $kvserve_session consistent;
@@ -144,7 +144,8 @@ http {{
 """
 
 
-def start_nginx(work: Path, listen: str, router: str, replicas: list[str], health: str, **popen) -> subprocess.Popen:
+def start_nginx(binary: str, work: Path, listen: str, router: str, replicas: list[str], health: str, sessions: bool,
+                **popen) -> subprocess.Popen:
     work.mkdir(parents=True, exist_ok=True)
-    (work / "nginx.conf").write_text(nginx_config(work, listen, router, replicas, health))
-    return subprocess.Popen([nginx_binary(), "-c", str(work / "nginx.conf"), "-p", str(work)], **popen)
+    (work / "nginx.conf").write_text(nginx_config(work, listen, router, replicas, health, sessions))
+    return subprocess.Popen([binary, "-c", str(work / "nginx.conf"), "-p", str(work)], **popen)

@@ -273,6 +273,7 @@ def test_the_nginx_front_sends_session_traffic_to_replicas_and_the_rest_to_the_r
     conf = nginx_config(tmp_path, "127.0.0.1:8080", "127.0.0.1:9000", ["127.0.0.1:9001", "127.0.0.1:9002"],
                         "127.0.0.1:9003")
     (tmp_path / "nginx.conf").write_text(conf)
+    assert nginx_binary(), "nginx is missing: `make test` installs it (Debian package nginx-light)"
     done = subprocess.run([nginx_binary(), "-t", "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -283,3 +284,14 @@ def test_the_nginx_front_sends_session_traffic_to_replicas_and_the_rest_to_the_r
     assert "proxy_next_upstream error timeout;" in conf and "proxy_next_upstream_tries 2;" in conf
     assert all(f"error_page {s} @kvserve_{s};" in conf for s in (500, 502, 503, 504))
     assert "proxy_intercept_errors on;" in conf  # the router's plain-text 5xx too, each in its path's dialect
+
+
+def test_without_session_routing_the_nginx_front_sends_everything_to_the_router(tmp_path):
+    conf = nginx_config(tmp_path, "127.0.0.1:8080", "127.0.0.1:9000", ["127.0.0.1:9001"], "127.0.0.1:9003",
+                        sessions=False)
+    (tmp_path / "nginx.conf").write_text(conf)
+    done = subprocess.run([nginx_binary(), "-t", "-c", str(tmp_path / "nginx.conf"), "-p", str(tmp_path)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert '""      kvserve_router;' in conf and "default kvserve_router;" in conf
+    assert "default kvserve_sessions;" not in conf and "proxy_intercept_errors on;" in conf

@@ -142,18 +142,28 @@ def test_a_dead_replica_leaves_a_healthy_cluster_json_errors_and_quiet_tagged_lo
     assert not noisy, noisy[:5]
 
 
-def test_without_nginx_the_router_agrees_with_the_replicas_origins_and_health_is_the_clusters():
-    proc, url, pids, log = start_cluster(1, serve=("--allowed-origins", "http://a.example"))
+def test_without_session_routing_nginx_still_fronts_the_router_its_origins_and_health_are_the_clusters():
+    health_port = free_port()
+    proc, url, pids, log = start_cluster(1, "--health-port", str(health_port),
+                                         serve=("--allowed-origins", "http://a.example"))
     try:
+        assert re.search(r"^router \(kv_aware\), behind nginx, on ", open(log).read(), re.M)
         r = httpx.get(url + "/v1/models", headers={"Origin": "http://a.example"}, timeout=30)
         assert r.headers.get("access-control-allow-origin") == "http://a.example", r.headers
         r = httpx.get(url + "/v1/models", headers={"Origin": EVIL}, timeout=30)
         assert "access-control-allow-origin" not in r.headers, r.headers
-        # the router holds the public port: the cluster's own /health is on the port it printed
-        health_url = re.search(r"^cluster health on (\S+)/health$", open(log).read(), re.M).group(1)
-        r = health(health_url)
+        # the public /health is the cluster's own, as the printed URL says
+        assert re.search(r"^cluster health on (\S+)/health$", open(log).read(), re.M).group(1) == url
+        r = health(url)
         assert r.status_code == 200 and r.json()["replicas"] == [{"replica": 1, "url": next(iter(pids)), "healthy": True}]
-        assert re.search(r'kvserve_cluster_replica_up\{replica="1",url="[^"]+"\} 1', httpx.get(health_url + "/metrics").text)
+        metrics = httpx.get(f"http://127.0.0.1:{health_port}/metrics").text
+        assert re.search(r'kvserve_cluster_replica_up\{replica="1",url="[^"]+"\} 1', metrics)
+        # the one replica killed: the router's plain-text 5xx reaches the client as kvserve's JSON
+        os.kill(next(iter(pids.values())), signal.SIGKILL)
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "max_tokens": 2}, timeout=60)
+        assert r.status_code >= 500 and "127.0.0.1" not in r.text
+        is_kvserve_error(r, r.status_code)
     finally:
         stop_cluster(proc)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -58,6 +59,7 @@ class _Run:
     created_at: int = field(default_factory=lambda: int(time.time()))
     session: Session | None = None
     reasoning_tokens: int = 0  # of its output, once read
+    saved: Future | None = None  # its last record's write to the disk tier
 
     def response(self, status: str, output: list[dict], f: Finished | None = None, error: str | None = None) -> dict:
         body = self.body
@@ -88,12 +90,18 @@ class _Run:
         """The response as it ended, stored with its conversation when it is stored."""
         status = status or ("incomplete" if f.reason in INCOMPLETE else "completed")
         out = self.response(status, output, f, error)
-        self.store(out, output)
+        self.saved = self.store(out, output)
         return out
 
-    def store(self, response: dict, output: list[dict]) -> None:
+    async def on_disk(self) -> None:
+        """Wait until the ended response's record is on the disk tier (where it has one): once a client
+        reads a stored response, a kill -9 cannot take it back to in_progress."""
+        if self.saved is not None:
+            await asyncio.wrap_future(self.saved)
+
+    def store(self, response: dict, output: list[dict]) -> Future | None:
         if self.session is None:
-            return
+            return None
         engine = generation.engine_of(self.http)
         start = len(self.history)
         meta = {"response": response, "conversation": [*self.history, *self.turn, *output],
@@ -101,7 +109,7 @@ class _Run:
                 "server": self.http.app.state.instance_id}  # which process ran it (responses_restart.py)
         with engine.lock:  # the step loop writes the session's record under it
             self.session.meta = meta
-            engine.pool.persist(self.session)
+            return engine.pool.persist(self.session)
 
 
 def _usage(f: Finished, reasoning_tokens: int) -> dict:
@@ -179,7 +187,9 @@ async def create_response(body: ResponseRequest, http: HttpRequest):
     except Exception as e:
         run.end(None, [], "failed", str(e))
         raise
-    return run.end(f, _output(f, run, tokens))
+    final = run.end(f, _output(f, run, tokens))
+    await run.on_disk()
+    return final
 
 
 def _logprobs(run: _Run, tokens: list[TokenEvent]) -> list[dict]:
@@ -236,6 +246,7 @@ async def _stream(run: _Run, req: Sequence) -> AsyncIterator[str]:
             run.reasoning_tokens = events.reasoning_tokens
             ended = True
             final = run.end(event, events.output(), status)
+            await run.on_disk()
             yield events.event(f"response.{status}", response=final)
     finally:
         if not ended:  # the client went away: what was streamed stays stored

@@ -1,6 +1,7 @@
 """A turn a client was answered is on disk: kill -9 right after the answer, and the restarted server
 holds the session with that turn, every time; under API keys, a tenant's own prefix comes back from
 disk after such a kill too, and no other tenant's."""
+import json
 import subprocess
 
 import httpx
@@ -82,3 +83,38 @@ def test_a_keyed_tenants_prefix_comes_back_from_disk(tmp_path, tiny_checkpoints)
     finally:
         if proc.poll() is None:
             kill_9(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_answered_stored_response_survives_kill_9(tmp_path, tiny_checkpoints, stream):
+    """A stored response reads back after a kill -9 right after the client read it, just as the client
+    read it (its status and output, not in_progress nor cut), each on the chain of the one before."""
+    args = ["--model", str(tiny_checkpoints["llama"]), "--weights", "f32", "--kv-disk", str(tmp_path / "store")]
+    current, spare = boot(args), boot(args)
+    previous = None
+    try:
+        wait_healthy(current[1], timeout=300, proc=current[0])
+        for i in range(4):
+            proc, url = current
+            body = {"input": f"Turn {i}: say something.", "max_output_tokens": 6, "store": True, "stream": stream,
+                    **({"previous_response_id": previous} if previous else {})}
+            with httpx.stream("POST", url + "/v1/responses", json=body, timeout=120) as r:
+                text = r.read().decode()
+            kill_9(proc)  # the moment the answer is in
+            assert r.status_code == 200, text
+            # streamed: the last event's response, as the SDK reads it
+            answered = json.loads(text.rstrip().rsplit("data: ", 1)[1])["response"] if stream else json.loads(text)
+            assert answered["status"] in ("completed", "incomplete") and answered["output"], answered
+            previous = answered["id"]
+            current, spare = spare, None
+            wait_healthy(current[1], timeout=300, proc=current[0])
+            spare = boot(args)
+            got = httpx.get(f"{current[1]}/v1/responses/{previous}", timeout=60)
+            assert got.status_code == 200, got.text
+            kept = got.json()
+            assert (kept["status"], kept["output"]) == (answered["status"], answered["output"]), (i, kept, answered)
+    finally:
+        for proc, _ in (p for p in (current, spare) if p is not None):
+            if proc.poll() is None:
+                kill_9(proc)

@@ -19,7 +19,7 @@ from ..errors import InvalidRequest
 
 @dataclass(frozen=True)
 class ConstraintLimits:
-    text_bytes: int = 256 * 1024  # a grammar, a regex, a schema or a choice list, as sent
+    text_bytes: int = 1024 * 1024  # a grammar, a regex, a schema or a choice list, as sent
     rules: int = 1000  # rules of one grammar
     depth: int = 64  # nesting: groups of a grammar or regex, objects and arrays of a schema
     tools: int = 128  # tools one request may offer

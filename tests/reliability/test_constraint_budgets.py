@@ -14,7 +14,7 @@ from ..live_server import HealthWatch, LiveServer
 
 RULE_CHAIN = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000)) + 'r3000: "a"\n'
 PARENS = "start: " + "(" * 1000 + '"a"' + ")" * 1000
-# a choice among 13,000 words, under the size limit as a grammar: about a second to compile and mask, many times the budget
+# a choice among 13,000 words as one rule: about a second to compile and mask, many times the budget
 WORDS = [f"{i:05d}" + "".join(chr(97 + (i * 7 + k * 13) % 26) for k in range(8)) for i in range(13000)]
 
 
@@ -49,7 +49,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     ("guided_grammar", RULE_CHAIN, "3002 rules; the limit is 1000"),
     ("guided_grammar", PARENS, "nest 1000 deep; the limit is 64"),
     ("guided_regex", "(" * 200 + "a" + ")" * 200, "nest 200 deep; the limit is 64"),
-    ("guided_regex", "a" * 300_000, "limit of 262144 bytes"),
+    ("guided_regex", "a" * 1_100_000, "limit of 1048576 bytes"),
     ("guided_json", nested_object(420), "more than 64 levels deep"),
 ])
 def test_each_limit_is_a_400_naming_it(server, field, value, limit):

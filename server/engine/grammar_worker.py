@@ -116,7 +116,6 @@ class GrammarWorkers:
         self._idle: queue.LifoQueue[_Child | None] = queue.LifoQueue()  # a warm child is taken first
         for _ in range(size):
             self._idle.put(None)  # started on first use: a child costs a Python start and a tokenizer
-        self._size = size
 
     def check(self, grammar: str, max_context: int) -> None:
         """Raise ConstraintRefused if the grammar cannot serve a request, or if checking it crashed the
@@ -150,8 +149,13 @@ class GrammarWorkers:
             raise ConstraintRefused(answer["error"])
 
     def close(self) -> None:
-        for _ in range(self._size):
-            child = self._idle.get()
+        """Stop the idle children. One still checking a grammar is not waited for: it ends when its pipe
+        closes with this process."""
+        while True:
+            try:
+                child = self._idle.get_nowait()
+            except queue.Empty:
+                return
             if child is not None:
                 child.kill()
 

@@ -15,9 +15,9 @@ from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import ApiError, HeldElsewhere, InvalidRequest, NotFound
 from . import anthropic, console, embeddings, misc, ollama, ollama_manage, openai, responses, sessions, tgi
+from .body_values import refuse_unusable_values
 from .generation import ClientGoneLog
 from .guard import GuardMiddleware, error_response
-from .body_values import refuse_unusable_values
 from .peers import Peers
 
 log = logging.getLogger("kvserve.app")

@@ -20,6 +20,7 @@ from ..errors import InvalidRequest, cut
 
 _SURROGATE = "holds a lone surrogate (an unpaired \\ud800-\\udfff escape)"
 
+
 def _text_ok(text: str) -> bool:
     if text.isascii():
         return True

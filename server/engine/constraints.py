@@ -50,9 +50,9 @@ class Grammars:
         self._ll: llguidance.LLTokenizer | None = None
         self._vocab: Vocabulary | None = None
         self._lock = threading.Lock()
-        spec = {"json": tokenizer.tokenizer.to_str(), "n_vocab": tokenizer.vocab_size,
-                "eos": sorted(tokenizer.eos_ids) or None}
-        self.workers = GrammarWorkers(spec, WORKERS, compile_budget_s)
+        # the children's view of the tokenizer is written once the first child starts, not at every start-up
+        self.workers = GrammarWorkers(lambda: {"json": tokenizer.tokenizer.to_str(), "n_vocab": tokenizer.vocab_size,
+                                               "eos": sorted(tokenizer.eos_ids) or None}, WORKERS, compile_budget_s)
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
 
     @property
@@ -85,7 +85,8 @@ class Grammars:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("a JSON schema must be an object", param=param)
         check_schema(schema, param)
-        return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT), param)
+        return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT),
+                              param)
 
     @staticmethod
     def regex(pattern: str, param: str = "guided_regex") -> str:
@@ -136,6 +137,10 @@ class Grammars:
         language is empty, or it forces more tokens than the context holds), or if compiling it crashed the
         grammar library or overran the budget; else compile it here for the request's matchers. Blocks for
         up to the budget: call it off the event loop. Returns the grammar."""
+        with self._lock:
+            if grammar in self._compiled:  # checked and compiled already (an agent's tool list, turn after turn)
+                self._compiled.move_to_end(grammar)
+                return grammar
         try:
             self.workers.check(grammar, self.max_context)
         except ConstraintRefused as e:

@@ -18,6 +18,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import llguidance
 
@@ -79,10 +80,10 @@ def reason(matcher: llguidance.LLMatcher) -> str:
 class _Child:
     """One worker process and its pipes."""
 
-    def __init__(self, tokenizer: dict) -> None:
+    def __init__(self, tokenizer: Callable[[], dict]) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, start_new_session=True)
-        self.send(tokenizer)
+        self.send(tokenizer())
         if self.receive(time.monotonic() + STARTUP_S) is None:  # the tokenizer is built before any grammar
             self.kill()
             raise OSError("the grammar worker did not start")
@@ -111,7 +112,7 @@ class _Child:
 class GrammarWorkers:
     """`size` children that check grammars; a caller blocks (off the event loop) until one answers."""
 
-    def __init__(self, tokenizer: dict, size: int, budget_s: float) -> None:
+    def __init__(self, tokenizer: Callable[[], dict], size: int, budget_s: float) -> None:
         self._tokenizer, self.budget_s = tokenizer, budget_s
         self._idle: queue.LifoQueue[_Child | None] = queue.LifoQueue()  # a warm child is taken first
         for _ in range(size):

@@ -102,8 +102,8 @@ def test_a_grammar_that_crashes_the_library_costs_one_child_not_the_server(smoll
     """The rule chain above overflows llguidance's stack (a segfault) when it compiles: in a child, the
     check is refused and the next one is answered by a fresh child."""
     tok = smollm.tokenizer
-    workers = GrammarWorkers({"json": tok.tokenizer.to_str(), "n_vocab": tok.vocab_size,
-                              "eos": sorted(tok.eos_ids)}, size=1, budget_s=120)
+    workers = GrammarWorkers(lambda: {"json": tok.tokenizer.to_str(), "n_vocab": tok.vocab_size,
+                                      "eos": sorted(tok.eos_ids)}, size=1, budget_s=120)
     try:
         with pytest.raises(ConstraintRefused, match="the grammar engine failed on it"):
             workers.check(llguidance.LLMatcher.grammar_from_lark(RULE_CHAIN), 512)

@@ -12,6 +12,7 @@ from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .gemma3 import Gemma2Transformer, Gemma3Transformer
 from .phi3 import Phi3Transformer
 from .qwen3 import Qwen3Transformer
+from .qwen3_moe import Qwen3MoeTransformer
 from .smollm3 import SmolLM3Transformer
 
 DECODERS: dict[str, type[Transformer]] = {
@@ -23,6 +24,7 @@ DECODERS: dict[str, type[Transformer]] = {
     "phi3": Phi3Transformer,  # RoPE on part of each head (Phi-4-mini)
     "gemma3": Gemma3Transformer,  # Gemma's block, sliding and full layers, q/k norms
     "gemma2": Gemma2Transformer,  # Gemma 3's without q/k norms, attention scores capped
+    "qwen3moe": Qwen3MoeTransformer,  # Qwen3's attention, a mixture of experts for the MLP
 }
 assert set(DECODERS) == set(SUPPORTED_ARCHITECTURES), "every architecture a config may name builds a decoder"
 
@@ -51,6 +53,11 @@ GGUF_TENSOR_NAMES: dict[str, str] = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # MoE: the router [E, dim], and each projection of every expert as one [E, rows, cols] tensor
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
 # Where an architecture's files mean something else by a name. phi3 writes HF's fused gate_up_proj as
 # ffn_up [2 * ffn, dim], gate rows first (llama.cpp's fused swiglu activates the first half), and no ffn_gate.

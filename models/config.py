@@ -12,9 +12,9 @@ class UnsupportedModel(ValueError):
 
 
 # ModelConfig.architecture: architectures.DECODERS builds each one's decoder
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma2", "gemma3", "qwen3moe")
 # GGUF's general.architecture names; Mistral's files say "llama"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3moe")
 # the decoders that honour ModelConfig.layer_windows, and the Gemma options
 WINDOWED_ARCHITECTURES = ("mistral", "phi3", "gemma2", "gemma3")
 GEMMA_OPTIONS = ("rope_theta_local", "attention_scale", "final_logit_softcap", "attn_logit_softcap")
@@ -68,6 +68,12 @@ class ModelConfig:
     attention_scale: float | None = None  # gemma: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
     final_logit_softcap: float | None = None  # gemma: logits -> c tanh(logits / c)
     attn_logit_softcap: float | None = None  # gemma2: each scaled attention score -> c tanh(s / c)
+    # mixture-of-experts (moe_config.py): experts a layer holds, how many a token uses, each one's FFN width,
+    # and how the router weighs the chosen ones
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    routing: str = ""
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -111,6 +117,9 @@ class ModelConfig:
             if self.architecture not in ("gemma2", "gemma3") or not value > 0:
                 raise UnsupportedModel(f"{name} must be positive, and is implemented for gemma2 and gemma3 only; "
                                        f"got {value} for {self.architecture}")
+        from .moe_config import check_moe  # it reads this module
+
+        check_moe(self)
 
     def window(self, layer_id: int) -> int:
         """Layer `layer_id`'s attention window, 0 for the whole history."""
@@ -138,7 +147,7 @@ class ModelConfig:
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
-    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+    "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
 }
 
 
@@ -191,6 +200,7 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         )
     from .attention_config import HF_DEFAULTS, hf_attention_options  # they read this module's helpers
     from .longrope import hf_longrope
+    from .moe_config import hf_moe_options
 
     cfg = {**HF_DEFAULTS.get(arch, {}), **cfg}
     n_heads = int(cfg["num_attention_heads"])
@@ -225,7 +235,7 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
         rope_dim=rope_dim,
         layers_without_rope=_hf_layers_without_rope(cfg, n_layers) if arch == "smollm3" else (),
     )
-    return ModelConfig(**{**fields, **options})
+    return ModelConfig(**{**fields, **options, **hf_moe_options(cfg, arch)})
 
 
 def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_factors: dict | None = None) -> ModelConfig:
@@ -254,6 +264,7 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_facto
     max_context = int(field("context_length", 2048))
     from .attention_config import gguf_attention_options  # they read this module's helpers
     from .longrope import gguf_longrope
+    from .moe_config import gguf_moe_options
 
     options = gguf_attention_options(meta, arch, n_layers, dim, n_heads, max_context)
     # rope.dimension_count is the rotated dims of a head: all of it but in phi3, whose head is dim / n_heads
@@ -292,7 +303,7 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_facto
         rope_dim=rope_dim,
         layers_without_rope=without_rope,
     )
-    return ModelConfig(**{**fields, **options, **longrope})
+    return ModelConfig(**{**fields, **options, **longrope, **gguf_moe_options(meta, arch)})
 
 
 PRESETS: dict[str, ModelConfig] = {

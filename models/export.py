@@ -25,6 +25,7 @@ from .compiled_program import PACKAGE_FILE, Program, load_package
 from .architectures import build_decoder
 from .config import ModelConfig
 from .errors import ModelLoadError
+from .expert_weights import assign_experts, take_experts
 from .fused import use_native_modules
 from .llama import Transformer
 from .quant import (ACTIVATIONS, WEIGHT_MODES, EmbeddingBlocks, EmbeddingFloat, LinearBlocks, convert_linears, held_types,
@@ -134,12 +135,13 @@ def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtyp
         raise ModelLoadError(f"unsupported weights mode {weights!r}; choose one of {', '.join(WEIGHT_MODES)}")
     activations = activations_for(weights, activations)
     stored = weights == "stored" and dtype == torch.float32
-    state = fuse_projections(state, config)
+    state, experts = take_experts(fuse_projections(state, config), config)
     with torch.device("meta"):
         model = build_decoder(config)
     if config.tie_embeddings:
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    expected -= {k for k in expected if k.rsplit(".", 1)[0].endswith(".mlp.experts")}  # assign_experts checks them
     missing, extra = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or extra:
         raise ModelLoadError(f"checkpoint does not fit the {config.architecture} model: missing {missing[:5]}, unexpected {extra[:5]}")
@@ -156,6 +158,7 @@ def build_model(config: ModelConfig, state: dict[str, Weight], dtype: torch.dtyp
     if stored and isinstance(model.embed_tokens, nn.Embedding) and model.embed_tokens.weight.dtype != torch.float32:
         model.embed_tokens = EmbeddingFloat(model.embed_tokens.weight)
     model.reset_constants()
+    assign_experts(model, experts, weights if dtype == torch.float32 or weights != "stored" else "f32", activations)
     convert_linears(model, weights if dtype == torch.float32 or weights != "stored" else "f32")
     quantize_activations(model, activations)
     model.held = held_types(model)

@@ -223,6 +223,9 @@ def held_types(model: nn.Module) -> tuple[tuple[str, int], ...]:
     dtype of each float tensor, most first."""
     counts: dict[str, int] = {}
     tables = {m.packed.data_ptr(): m.sources for m in model.modules() if isinstance(m, (LinearBlocks, EmbeddingBlocks))}
+    # (a MoE layer's experts: each of its block-format weights, moe.Experts.held_blocks)
+    tables.update({t.data_ptr(): (source,) for m in model.modules() if hasattr(m, "held_blocks")
+                   for t, source in m.held_blocks()})
     names = [t for sources in tables.values() for t in sources]  # a tied table once, with its lm_head
     seen = set(tables)
     for t in model.state_dict(keep_vars=True).values():

@@ -1,0 +1,148 @@
+"""Mixture-of-experts feed-forward: a router, and the experts run by one functional op a layer.
+
+    logits = router(x)                                               [n, E]
+    y = kvserve::moe_experts(x, logits, top_k, routing, weights...)  [n, C]
+
+The op picks each row's experts (moe_config.ROUTINGS), groups the rows by expert, and runs each chosen
+expert once over all the rows that chose it: a step reads an expert's weights once, whatever the number of
+its rows. Each product is row by row, and a row sums its experts' outputs in ascending expert order (as
+transformers does), so a row's output never depends on what else shares its step: speculation relies on it.
+
+Op contract, kvserve::moe_experts(x, logits, top_k, routing, weights, ns, kinds, biases, swiglu_limit, swiglu_alpha):
+    x [n, C], logits [n, E]
+    weights  gate [E, F, C], up [E, F, C], down [E, C, F]: float (kind FLOAT, f32, f16 or bf16), or each
+             expert's panels [E, P, K/unit, bytes] uint8 of a block kind (its panels.KINDS id, maybe with
+             INT8_ACTIVATIONS); ns their output features (F, F, C)
+    biases   [] or gate [E, F], up [E, F], down [E, C] float32 (gpt-oss)
+    swiglu_limit 0: silu(gate) * up; > 0: gpt-oss's clamped form, (up + 1) * gate * sigmoid(alpha * gate)
+             with gate clamped above and up both ways at the limit
+    -> [n, C] in x's dtype (computed in float32)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .moe_config import ROUTINGS
+
+FLOAT = -1  # a kind id: the weight is a float tensor
+
+
+def route(logits: torch.Tensor, top_k: int, routing: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, E] -> each row's chosen experts [n, k] int64 and their weights [n, k] float32."""
+    logits = logits.float()
+    if routing == ROUTINGS["topk_softmax"]:
+        top, ids = logits.topk(top_k, dim=-1)
+        return ids, top.softmax(dim=-1)
+    weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+    if routing == ROUTINGS["softmax_norm"]:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def _float_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [m, K] @ w [N, K]^T by the float kernels whose rows do not depend on m (quant.LinearF32's)."""
+    if w.dtype == torch.bfloat16:
+        return torch.ops.kvserve_native.linear_bf16(x, w)
+    return torch.ops.kvserve_native.linear_f32(x, w.float())
+
+
+def _products(x: torch.Tensor, ws: list[torch.Tensor], ns: list[int], kinds: list[int]) -> torch.Tensor:
+    """x [m, K] times each of one expert's weights `ws`, their outputs side by side [m, sum(ns)]."""
+    if all(k != FLOAT for k in kinds):
+        return torch.ops.kvserve_native.linear_blocks(x, ws, ns, kinds)
+    return torch.cat([_float_product(x, w) if k == FLOAT else torch.ops.kvserve_native.linear_blocks(x, [w], [n], [k])
+                      for w, n, k in zip(ws, ns, kinds)], dim=-1)
+
+
+def _activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    if limit <= 0:
+        return F.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@torch.library.custom_op("kvserve::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int, weights: list[torch.Tensor],
+                ns: list[int], kinds: list[int], biases: list[torch.Tensor], swiglu_limit: float,
+                swiglu_alpha: float) -> torch.Tensor:
+    gate, up, down = weights
+    dtype, x = x.dtype, x.float()
+    ids, route_weights = route(logits, top_k, routing)  # [n, k] each
+    flat = ids.reshape(-1)  # [n * k]: row r's choices at r*k .. r*k + k - 1
+    order = flat.argsort(stable=True)  # by expert, each expert's rows ascending
+    counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        chosen = order[start : start + count]  # [m] positions in flat
+        start += count
+        rows = chosen // top_k  # [m]
+        xe = x.index_select(0, rows)  # [m, C]
+        gate_up = _products(xe, [gate[e], up[e]], ns[:2], kinds[:2])  # [m, 2F]
+        if biases:
+            gate_up = gate_up + torch.cat([biases[0][e], biases[1][e]])
+        h = _activation(*gate_up.split(ns[:2], dim=-1), swiglu_limit, swiglu_alpha)  # [m, F]
+        y = _products(h, [down[e]], ns[2:], kinds[2:])  # [m, C]
+        if biases:
+            y = y + biases[2][e]
+        out.index_add_(0, rows, y * route_weights.reshape(-1)[chosen].unsqueeze(1))
+    return out.to(dtype)
+
+
+@moe_experts.register_fake
+def _(x, logits, top_k, routing, weights, ns, kinds, biases, swiglu_limit, swiglu_alpha):
+    return x.new_empty(x.shape)
+
+
+class Experts(nn.Module):
+    """A layer's experts: gate_proj and up_proj [E, F, C], down_proj [E, C, F], each float or panels
+    (models/expert_weights.py fills them), multiplied by kvserve::moe_experts."""
+
+    def __init__(self, n_experts: int, dim: int, ffn: int, bias: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("gate_proj", torch.empty(n_experts, ffn, dim))
+        self.register_buffer("up_proj", torch.empty(n_experts, ffn, dim))
+        self.register_buffer("down_proj", torch.empty(n_experts, dim, ffn))
+        if bias:
+            self.register_buffer("gate_bias", torch.empty(n_experts, ffn))
+            self.register_buffer("up_bias", torch.empty(n_experts, ffn))
+            self.register_buffer("down_bias", torch.empty(n_experts, dim))
+        self.bias = bias
+        self.ns = (ffn, ffn, dim)
+        self.kinds = (FLOAT, FLOAT, FLOAT)
+        self.sources: tuple[str, ...] = ()  # the file's type of each weight held as panels
+
+    def weights(self) -> list[torch.Tensor]:
+        return [self.gate_proj, self.up_proj, self.down_proj]
+
+    def biases(self) -> list[torch.Tensor]:
+        return [self.gate_bias, self.up_bias, self.down_bias] if self.bias else []
+
+    def held_blocks(self) -> list[tuple[torch.Tensor, str]]:
+        """The weights held as panels, each with the file's type it came as (quant.held_types counts them)."""
+        return [(w, source) for w, k, source in zip(self.weights(), self.kinds, self.sources) if k != FLOAT]
+
+
+class SparseMoE(nn.Module):
+    """The feed-forward of a MoE layer: router logits, then the expert op."""
+
+    def __init__(self, config: ModelConfig, bias: bool = False, swiglu_limit: float = 0.0,
+                 swiglu_alpha: float = 0.0) -> None:
+        super().__init__()
+        self.router = nn.Linear(config.dim, config.n_experts, bias=bias)
+        self.experts = Experts(config.n_experts, config.dim, config.expert_ffn_dim, bias)
+        self.top_k, self.routing = config.n_experts_used, ROUTINGS[config.routing]
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [1, n, C] -> [1, n, C]."""
+        logits = self.router(x)[0]  # [n, E]
+        e = self.experts
+        y = torch.ops.kvserve.moe_experts(x[0], logits, self.top_k, self.routing, e.weights(), list(e.ns), list(e.kinds),
+                                          e.biases(), self.swiglu_limit, self.swiglu_alpha)  # [n, C]
+        return y.unsqueeze(0)

@@ -1,0 +1,138 @@
+"""Mixture-of-experts decoders against transformers: tiny random Qwen3-MoE checkpoints that transformers
+writes, loaded by kvserve from the folder and from llama.cpp's conversion of it, in every weight mode, with
+the expert step one op a layer whose rows never depend on one another."""
+import pytest
+import torch
+
+from models import load_model
+from models.config import from_gguf_metadata
+from models.export import build_model
+from models.hf_loader import read_hf
+from models.quant import model_kernels_available
+
+from .test_architectures import OTHER_PROMPT, batched_greedy, matches_transformers, save_checkpoint, write_gguf_from_hf
+from .test_models import PROMPT, Session, greedy, hf_greedy, run_prompt
+
+N_EXPERTS, TOP_K = 8, 2
+needs_kernels = pytest.mark.skipif(not model_kernels_available(), reason="the C++/AVX2 kernels are unavailable")
+
+
+def write_moe_checkpoint(folder, arch: str, tokenizer_source, seed: int = 0, norm_topk_prob: bool = True):
+    """A random transformers MoE checkpoint, 3 layers with GQA, 8 experts of which each token uses 2, plus
+    SmolLM2's tokenizer; norm weights random too, so a norm in the wrong place shows."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=tokenizer_source.vocab_size, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=None, rope_theta=10000.0, tie_word_embeddings=False)
+    if arch == "qwen3moe":
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=32, intermediate_size=128, moe_intermediate_size=32,
+                                          num_experts=N_EXPERTS, num_experts_per_tok=TOP_K,
+                                          norm_topk_prob=norm_topk_prob)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+            elif "gate" in name and "experts" not in name and p.dim() == 2:
+                p.normal_(0.0, 0.5)  # a router whose choices differ from token to token
+    return save_checkpoint(model, folder, tokenizer_source)
+
+
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory, smollm):
+    root = tmp_path_factory.mktemp("moe")
+    return {"qwen3moe": write_moe_checkpoint(root / "qwen3moe", "qwen3moe", smollm.tokenizer, seed=5),
+            "qwen3moe-softmax": write_moe_checkpoint(root / "qwen3moe-softmax", "qwen3moe", smollm.tokenizer, seed=6,
+                                                     norm_topk_prob=False)}
+
+
+@pytest.fixture(scope="module")
+def hf_models(moe_folders):
+    import transformers
+
+    return {name: transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            for name, folder in moe_folders.items()}
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe-softmax"])
+def test_moe_folder_matches_transformers(moe_folders, hf_models, name):
+    model = load_model(str(moe_folders[name]), weights="f32", use_cache=False)
+    config = model.config
+    assert (config.architecture, config.n_experts, config.n_experts_used, config.expert_ffn_dim) == ("qwen3moe", 8, 2, 32)
+    assert config.routing == ("softmax_norm" if name == "qwen3moe" else "softmax")
+    ids = model.tokenizer.encode(PROMPT)
+    matches_transformers(model, hf_models[name], ids, [None, [5, 7, len(ids) - 12]])
+    graph = model.forward.module.graph
+    assert sum("moe_experts" in str(n.target) for n in graph.nodes) == config.n_layers
+    assert sum("update_and_attend" in str(n.target) for n in graph.nodes) == config.n_layers
+
+
+def test_llama_cpp_conversion_matches_transformers(moe_folders, hf_models, tmp_path):
+    """llama.cpp's converter writes the experts as one 3-D tensor a projection; the file reads as the folder."""
+    path = write_gguf_from_hf(moe_folders["qwen3moe"], tmp_path / "qwen3moe.gguf")
+    ours = load_model(str(path), weights="f32", use_cache=False)
+    folder_config = read_hf(moe_folders["qwen3moe"])[0]
+    for field in ("architecture", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_used",
+                  "expert_ffn_dim", "routing"):
+        assert getattr(ours.config, field) == getattr(folder_config, field), field
+    ids = ours.tokenizer.encode(PROMPT)
+    hf = hf_models["qwen3moe"]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    with Session(ours.config) as session, torch.no_grad():
+        got = run_prompt(session.committing(ours.forward), ours.config, ids, all_logits=True)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+    assert greedy(ours.forward, ours.config, ids, 16) == hf_greedy(hf, ids, 16)
+
+
+@needs_kernels
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_stored_experts_are_held_as_the_file_holds_them(moe_folders, tmp_path, outtype):
+    """The experts of an F16 or Q8_0 file are held in that type (F16 tensors, or Q8_0 panels), and the
+    greedy tokens of one prompt are the same alone and beside another, bitwise."""
+    path = write_gguf_from_hf(moe_folders["qwen3moe"], tmp_path / f"q.{outtype}.gguf", outtype=outtype)
+    model = load_model(str(path), weights="stored", use_cache=False)
+    held = dict(model.held)
+    assert held.get(outtype.upper(), 0) >= 3 * model.config.n_layers, model.held
+    ids = model.tokenizer.encode(PROMPT)
+    alone = greedy(model.forward, model.config, ids, 12)
+    other = model.tokenizer.encode(OTHER_PROMPT)
+    first, together = batched_greedy(model.forward, model.config, [ids, other], 12)
+    assert together[0] == alone
+    assert together[1] == greedy(model.forward, model.config, other, 12)
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "f16"])
+def test_requantized_experts_follow_the_float_model(moe_folders, weights):
+    """Each weight mode requantizes the experts too: its logits stay near the float model's."""
+    config, state, _ = read_hf(moe_folders["qwen3moe"])
+    reference = build_model(config, dict(state), torch.float32, weights="f32")
+    model = build_model(config, dict(state), torch.float32, weights=weights)
+    kinds = {m.experts.kinds for m in model.modules() if hasattr(m, "experts")}
+    assert kinds and all((k[0] == -1) == (weights == "f16") for k in kinds)
+    ids = list(range(5, 40))
+    outs = []
+    for m in (model, reference):
+        with Session(config) as session, torch.no_grad():
+            outs.append(run_prompt(session.committing(m), config, ids, [20, 15], all_logits=True))
+    tolerance = {"q8_0": 0.05, "q4_0": 0.5, "f16": 0.01}[weights]
+    assert (outs[0] - outs[1]).abs().max() < tolerance
+
+
+def test_moe_metadata_is_read_and_checked():
+    meta = {"general.architecture": "qwen3moe", "qwen3moe.block_count": 2, "qwen3moe.embedding_length": 64,
+            "qwen3moe.attention.head_count": 4, "qwen3moe.feed_forward_length": 128, "qwen3moe.vocab_size": 100,
+            "qwen3moe.expert_count": 8, "qwen3moe.expert_used_count": 2, "qwen3moe.expert_feed_forward_length": 32}
+    config = from_gguf_metadata(meta, True)
+    assert (config.n_experts, config.n_experts_used, config.expert_ffn_dim, config.routing) == (8, 2, 32, "softmax_norm")
+    from models.config import UnsupportedModel
+
+    with pytest.raises(UnsupportedModel, match="expert_used_count"):
+        from_gguf_metadata({k: v for k, v in meta.items() if k != "qwen3moe.expert_used_count"}, True)
+    with pytest.raises(UnsupportedModel, match="experts used"):
+        from_gguf_metadata({**meta, "qwen3moe.expert_used_count": 9}, True)

@@ -128,7 +128,7 @@ class ActiveStep:
 
     # ---- the Python path -----------------------------------------------------------------------
     def attend(self, q, k, v, position, layer_id: int, scale: float, out_dtype: torch.dtype, window: int = 0,
-               softcap: float = 0.0) -> torch.Tensor:
+               softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if q.shape[0] != 1:
             raise CacheError(f"the token axis is flat: batch must be 1, got {q.shape[0]}")
         if layer_id == 0:
@@ -138,9 +138,10 @@ class ActiveStep:
         if self.native and not self._bound:
             self.bind()
         if self._bound:
-            out = torch.ops.kvcache_native.attend_bound(q.float(), k.float(), v.float(), layer_id, scale, window, softcap)
+            out = torch.ops.kvcache_native.attend_bound(q.float(), k.float(), v.float(), layer_id, scale, window, softcap,
+                                                        sinks)
         else:
-            out = self._attend_each(q, k, v, layer_id, scale, window, softcap)
+            out = self._attend_each(q, k, v, layer_id, scale, window, softcap, sinks)
             self._next_layer = layer_id + 1
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
@@ -171,23 +172,25 @@ class ActiveStep:
                     f"{start}..{start + n - 1}; got {span[:4]}{'...' if n > 4 else ''}"
                 )
 
-    def _attend_each(self, q, k, v, layer_id: int, scale: float, window: int, softcap: float) -> torch.Tensor:
+    def _attend_each(self, q, k, v, layer_id: int, scale: float, window: int, softcap: float,
+                     sinks: torch.Tensor | None) -> torch.Tensor:
         """Write and attend span by span with SDPA, over histories gathered from the blocks -> [1, H_q, S, D_v]."""
         outs = []
         for (cache, _), start, n in zip(self.spans, self.offsets, self.sizes):
             qi = q[:, :, start : start + n]  # [1, H_q, n, D]
             ki, vi = k[0, :, start : start + n], v[0, :, start : start + n]  # [H_kv, n, D]
             k_all, v_all = cache.write(layer_id, ki, vi)
-            if window > 0 or softcap > 0:
-                outs.append(_attend_windowed(qi, k_all, v_all, scale, window, softcap))
+            if window > 0 or softcap > 0 or sinks is not None:
+                outs.append(_attend_windowed(qi, k_all, v_all, scale, window, softcap, sinks))
             else:
                 outs.append(_attend(qi, k_all, v_all, scale))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
 def _attend_windowed(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float, window: int,
-                     softcap: float) -> torch.Tensor:
-    """_attend with a sliding window of `window` keys (0: none) and scores capped at +-softcap (0: none)."""
+                     softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """_attend with a sliding window of `window` keys (0: none), scores capped at +-softcap (0: none), and a
+    sink logit per query head (float32 [H_q]) in each row's softmax (None: none)."""
     n, total = q.shape[2], k_all.shape[1]
     # the keys before the first query's window are read by none of them
     start = max(0, total - n - window + 1) if window > 0 else 0
@@ -197,14 +200,21 @@ def _attend_windowed(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, 
     mask = k_pos <= q_pos
     if window > 0:
         mask &= k_pos > q_pos - window  # [n, T']
-    if softcap <= 0:
+    if softcap <= 0 and sinks is None:
         return F.scaled_dot_product_attention(q, k_all.unsqueeze(0), v_all.unsqueeze(0), attn_mask=mask, scale=scale,
                                               enable_gqa=True)
     group = q.shape[1] // k_all.shape[0]
     k_all, v_all = k_all.repeat_interleave(group, dim=0).float(), v_all.repeat_interleave(group, dim=0).float()  # [H_q, T', D]
     scores = q[0].float() @ k_all.transpose(1, 2) * scale  # [H_q, n, T']
-    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v_all).unsqueeze(0).to(q.dtype)  # [1, H_q, n, D_v]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return (scores.softmax(-1) @ v_all).unsqueeze(0).to(q.dtype)  # [1, H_q, n, D_v]
+    # the sink is one more score of the row's softmax, whose weight goes to no value
+    sink = sinks.float().view(-1, 1, 1).expand(-1, n, 1)  # [H_q, n, 1]
+    weights = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    return (weights @ v_all).unsqueeze(0).to(q.dtype)
 
 
 def _attend(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, scale: float) -> torch.Tensor:

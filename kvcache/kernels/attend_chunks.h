@@ -141,10 +141,12 @@ void soft_cap(float* sr, float cap) {
 }
 
 // rows query rows (keys begin[r] .. visible[r] - 1 each, both nondecreasing) over one history; see the top of
-// this file. softcap > 0 caps each score (after the scale) at +-softcap.
+// this file. softcap > 0 caps each score (after the scale) at +-softcap; sink[r], where not null, is row r's
+// sink logit, which joins its softmax at the end (attend_scalar.h).
 template <int D, class T>
 void attend_rows(const float* const* q, float* const* out, const int64_t* begin, const int64_t* visible, int rows,
-                 const Paged<T>& keys, const Paged<T>& values, float scale, float softcap, Scratch& sc) {
+                 const Paged<T>& keys, const Paged<T>& values, float scale, float softcap, const float* const* sink,
+                 Scratch& sc) {
   using R = typename Vec::R;
   constexpr int W = Vec::W, CW = CHUNK / W;
   static_assert(D % W == 0 && CHUNK % W == 0, "rows and chunks are whole vectors");
@@ -231,7 +233,7 @@ void attend_rows(const float* const* q, float* const* out, const int64_t* begin,
     else value_chunk<D>(acc, s, corr, visible, first, last, t0, direct, fetching);
   }
   for (int r = 0; r < rows; ++r) {
-    const R inv = Vec::set1(1.0f / total[r]);
+    const R inv = Vec::set1(attend_scalar::output_scale(top[r], total[r], sink[r]));
     for (int i = 0; i < D; i += W) Vec::store(out[r] + i, Vec::mul(Vec::load(acc + r * D + i), inv));
   }
 }

@@ -10,6 +10,7 @@
 //   offsets[i], sizes[i]: span i owns tokens offsets[i] .. offsets[i] + sizes[i] of the step
 //   lengths[i]: tokens already in span i's history (its k/v land at lengths[i] .. lengths[i] + sizes[i])
 //   window: 0, or w > 0 for a sliding window of w keys; softcap: 0, or c > 0 to cap each scaled score as c tanh(s / c)
+//   sinks: none, or f32 [H_q]: a logit per query head that joins each of its rows' softmax with no value (gpt-oss)
 //   returns [1, H_q, S, Dv] f32
 // Token j of a span, at position p = lengths[i] + j, sees history 0 .. p (causal, aligned to the end of the
 // history), or with a window p - w + 1 .. p (transformers' sliding_window). Keys before the window are never read.
@@ -19,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include "attend_scalar.h"
 #include "attend_spans.h"
 #include "attend_vectors.h"
 #include <algorithm>
@@ -98,28 +100,6 @@ bool has_avx512() {
   return wide;
 }
 
-// Any head dims: the same math, scalar, a row at a time, over keys begin .. visible - 1.
-template <class T>
-void attend_one_any(const float* q, const Paged<T>& keys, const Paged<T>& values, int64_t begin, int64_t visible,
-                    float scale, float softcap, int64_t D, int64_t Dv, float* out, std::vector<float>& scores) {
-  scores.resize(visible);
-  float top = -INFINITY;
-  for (int64_t t = begin; t < visible; ++t) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < D; ++i) s += q[i] * keys.key(t, i);
-    s *= scale;
-    if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
-    top = std::max(top, scores[t] = s);
-  }
-  float total = 0.0f;
-  for (int64_t t = begin; t < visible; ++t) total += scores[t] = std::exp(scores[t] - top);
-  std::fill(out, out + Dv, 0.0f);
-  for (int64_t t = begin; t < visible; ++t) {
-    const T* vrow = values.row(t);
-    for (int64_t i = 0; i < Dv; ++i) out[i] += scores[t] / total * static_cast<float>(vrow[i]);
-  }
-}
-
 // Float32 -> the cache's element type.
 inline void store(Half& dst, float x) { dst = Half(x); }
 inline void store(float& dst, float x) { dst = x; }
@@ -131,8 +111,8 @@ struct Job {
 
 template <class T>
 void append_and_attend(const float* qp, const float* kp, const float* vp, float* op, int64_t layer, float scale,
-                       int64_t window, float softcap, at::TensorList k_pools, at::TensorList v_pools, const int64_t* tables,
-                       at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
+                       int64_t window, float softcap, const float* sinks, at::TensorList k_pools, at::TensorList v_pools,
+                       const int64_t* tables, at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
                        at::IntArrayRef sizes, int64_t Hq, int64_t Hkv, int64_t S, int64_t D, int64_t Dv) {
   const int64_t n_spans = offsets.size(), group = Hq / Hkv;
   const int64_t L = k_pools[0].size(1), B = k_pools[0].size(4);
@@ -193,6 +173,7 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
     std::vector<const float*> qs;
     std::vector<float*> os;
     std::vector<int64_t> begin, visible;
+    std::vector<const float*> sink;  // each row's, or none
     std::vector<const T*> kblocks, vblocks;
     for (int64_t at = cut[first_run]; at < cut[end_run]; ++at) {
       const Job& job = jobs[at];
@@ -205,7 +186,7 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
         vblocks[b] = value_block(i, block, job.hk);
       }
       const Paged<T> keys{kblocks.data(), shift, B - 1, D}, values{vblocks.data(), shift, B - 1, Dv};
-      qs.clear(), os.clear(), begin.clear(), visible.clear();
+      qs.clear(), os.clear(), begin.clear(), visible.clear(), sink.clear();
       for (int64_t j = job.j0; j < job.j1; ++j)  // row order: token, then head; begin and visible nondecreasing
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = job.hk * group + g, token = offsets[i] + j;
@@ -213,17 +194,19 @@ void append_and_attend(const float* qp, const float* kp, const float* vp, float*
           os.push_back(op + (h * S + token) * Dv);
           begin.push_back(first_key(lengths[i] + j));
           visible.push_back(lengths[i] + j + 1);
+          sink.push_back(sinks != nullptr ? sinks + h : nullptr);
         }
       const int rows = (int)qs.size();
       if (!fast) {
         for (int r = 0; r < rows; ++r)
-          attend_one_any(qs[r], keys, values, begin[r], visible[r], scale, softcap, D, Dv, os[r], scores);
+          attend_scalar::attend_one_any(qs[r], keys, values, begin[r], visible[r], scale, softcap, sink[r], D, Dv, os[r],
+                                        scores);
       } else if (D == 64) {
         (wide ? avx512::attend_rows<64, T> : avx2::attend_rows<64, T>)(qs.data(), os.data(), begin.data(), visible.data(), rows,
-                                                                     keys, values, scale, softcap, scratch);
+                                                                     keys, values, scale, softcap, sink.data(), scratch);
       } else {
         (wide ? avx512::attend_rows<128, T> : avx2::attend_rows<128, T>)(qs.data(), os.data(), begin.data(), visible.data(), rows,
-                                                                       keys, values, scale, softcap, scratch);
+                                                                       keys, values, scale, softcap, sink.data(), scratch);
       }
     }
   });
@@ -236,7 +219,8 @@ namespace kvcache_kernels {
 at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, int64_t layer,
                         double scale, at::TensorList k_pools, at::TensorList v_pools, const at::Tensor& tables,
                         at::IntArrayRef table_starts, at::IntArrayRef offsets, at::IntArrayRef lengths,
-                        at::IntArrayRef sizes, int64_t window, double softcap) {
+                        at::IntArrayRef sizes, int64_t window, double softcap,
+                        const std::optional<at::Tensor>& sinks_in) {
   const int64_t n_spans = offsets.size();
   TORCH_CHECK(n_spans > 0 && k_pools.size() == n_spans && v_pools.size() == n_spans && lengths.size() == n_spans &&
                   sizes.size() == n_spans && table_starts.size() == n_spans,
@@ -250,6 +234,10 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
   TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 1 && tables.is_contiguous(), "tables must be int64 [n]");
   TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be 0 (none) or positive");
   const int64_t Hq = q.size(1), S = q.size(2), D = q.size(3), Hkv = k.size(1), Dv = v.size(3);
+  TORCH_CHECK(!sinks_in || (sinks_in->scalar_type() == at::kFloat && sinks_in->dim() == 1 && sinks_in->size(0) == Hq),
+              "sinks must be float32 [H_q]");
+  const at::Tensor sinks = sinks_in ? sinks_in->contiguous() : at::Tensor();
+  const float* sink_p = sinks.defined() ? sinks.data_ptr<float>() : nullptr;
   const at::ScalarType pool_type = k_pools[0].scalar_type();
   TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kHalf, "pools must be float32 or float16");
   const int64_t L = k_pools[0].size(1), B = k_pools[0].size(4), n_table = tables.size(0);
@@ -274,10 +262,10 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   if (pool_type == at::kHalf)
-    append_and_attend<Half>(qp, kp, vp, op, layer, (float)scale, window, (float)softcap, k_pools, v_pools, table,
+    append_and_attend<Half>(qp, kp, vp, op, layer, (float)scale, window, (float)softcap, sink_p, k_pools, v_pools, table,
                             table_starts, offsets, lengths, sizes, Hq, Hkv, S, D, Dv);
   else
-    append_and_attend<float>(qp, kp, vp, op, layer, (float)scale, window, (float)softcap, k_pools, v_pools, table,
+    append_and_attend<float>(qp, kp, vp, op, layer, (float)scale, window, (float)softcap, sink_p, k_pools, v_pools, table,
                              table_starts, offsets, lengths, sizes, Hq, Hkv, S, D, Dv);
   return out;
 }
@@ -287,7 +275,7 @@ at::Tensor attend_spans(const at::Tensor& q_in, const at::Tensor& k_in, const at
 TORCH_LIBRARY(kvcache_native, m) {
   m.def("attend_spans(Tensor q, Tensor k, Tensor v, int layer, float scale, Tensor(a!)[] k_pools, "
         "Tensor(b!)[] v_pools, Tensor tables, int[] table_starts, int[] offsets, int[] lengths, int[] sizes, "
-        "int window=0, float softcap=0.0) -> Tensor");
+        "int window=0, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_native, CPU, m) { m.impl("attend_spans", &kvcache_kernels::attend_spans); }

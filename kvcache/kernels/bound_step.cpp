@@ -12,16 +12,19 @@
 //   kvcache_native::unbind_step() -> (): this thread holds no step
 //   kvcache_native::bound_next_layer() -> int: the layer the bound step expects next (the layer count
 //       once the forward is done), or -1 if this thread holds none
-//   kvcache_native::attend_bound(q, k, v, layer, scale, window=0, softcap=0.0) -> Tensor: one layer of the
-//       bound step, for the Python path once it has validated the call
-//   kvcache::update_and_attend, CPU kernel: the bound step's next layer here, its window and soft cap as
+//   kvcache_native::attend_bound(q, k, v, layer, scale, window=0, softcap=0.0, sinks=None) -> Tensor: one layer
+//       of the bound step, for the Python path once it has validated the call
+//   kvcache::update_and_attend, CPU kernel: the bound step's next layer here, its window, soft cap and sinks as
 //       attend_spans takes them; every other call (no step bound, a layer out of turn, positions that do
-//       not continue the histories, a float16 query, bad shapes, a negative window or cap) goes to
+//       not continue the histories, a float16 query, bad shapes, a negative window or cap, sinks that are not
+//       finite float32 [H_q]) goes to
 //       kvcache::attend_active_step, the registry's Python path, which raises the typed errors or takes
 //       the call itself.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <vector>
 #include "attend_spans.h"
@@ -51,11 +54,11 @@ void unbind_step() { bound.reset(); }
 int64_t bound_next_layer() { return bound ? bound->next_layer : -1; }
 
 at::Tensor attend_bound(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t layer, double scale,
-                        int64_t window, double softcap) {
+                        int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(bound && bound->next_layer == layer, "no bound step expects layer ", layer);
   at::Tensor out = kvcache_kernels::attend_spans(q, k, v, layer, scale, bound->k_pools, bound->v_pools, bound->tables,
                                                  bound->table_starts, bound->offsets, bound->lengths, bound->sizes,
-                                                 window, softcap);
+                                                 window, softcap, sinks);
   bound->next_layer = layer + 1;
   return out;  // [1, H_q, S, D_v] float32
 }
@@ -69,24 +72,34 @@ bool positions_match(const at::Tensor& position) {
   return true;
 }
 
+// The op's checks on sinks (kvcache/op.py): float32 [H_q], every logit finite.
+bool sinks_fit(const std::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks) return true;
+  if (sinks->scalar_type() != at::kFloat || sinks->dim() != 1 || sinks->size(0) != heads || !sinks->is_contiguous())
+    return false;
+  const float* s = sinks->data_ptr<float>();
+  return std::all_of(s, s + heads, [](float x) { return std::isfinite(x); });
+}
+
 at::Tensor update_and_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& position,
-                             int64_t layer_id, double scale, at::ScalarType out_dtype, int64_t window, double softcap) {
+                             int64_t layer_id, double scale, at::ScalarType out_dtype, int64_t window, double softcap,
+                             const std::optional<at::Tensor>& sinks) {
   // The Python path raises the typed errors, so any doubt about the input goes there.
   const bool ours = bound && bound->next_layer == layer_id && layer_id < bound->native_layers && window >= 0 &&
                     softcap >= 0.0 && q.dim() == 4 && k.dim() == 4 && v.dim() == 4 &&
                     q.scalar_type() == at::kFloat && q.size(0) == 1 && q.size(1) % k.size(1) == 0 &&
                     position.dim() == 2 && position.size(0) == q.size(2) && position.size(1) == 1 &&
                     q.size(2) == static_cast<int64_t>(bound->positions.size()) &&
-                    (layer_id != 0 || positions_match(position));
+                    sinks_fit(sinks, q.size(1)) && (layer_id != 0 || positions_match(position));
   if (!ours) {
     static const auto python_path =
         c10::Dispatcher::singleton()
             .findSchemaOrThrow("kvcache::attend_active_step", "")
             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double,
-                              at::ScalarType, int64_t, double)>();
-    return python_path.call(q, k, v, position, layer_id, scale, out_dtype, window, softcap);
+                              at::ScalarType, int64_t, double, const std::optional<at::Tensor>&)>();
+    return python_path.call(q, k, v, position, layer_id, scale, out_dtype, window, softcap, sinks);
   }
-  const at::Tensor out = attend_bound(q, k, v, layer_id, scale, window, softcap);
+  const at::Tensor out = attend_bound(q, k, v, layer_id, scale, window, softcap, sinks);
   return out.scalar_type() == out_dtype ? out : out.to(out_dtype);
 }
 
@@ -97,7 +110,8 @@ TORCH_LIBRARY_FRAGMENT(kvcache_native, m) {
         "int[] lengths, int[] sizes, int native_layers) -> ()");
   m.def("unbind_step() -> ()");
   m.def("bound_next_layer() -> int");
-  m.def("attend_bound(Tensor q, Tensor k, Tensor v, int layer, float scale, int window=0, float softcap=0.0) -> Tensor");
+  m.def("attend_bound(Tensor q, Tensor k, Tensor v, int layer, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvcache_native, CatchAll, m) {

@@ -78,9 +78,9 @@ class BlockFormat:
 
 
 def _table() -> dict[str, BlockFormat]:
-    from . import q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
+    from . import mxfp4, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 
-    return {m.FORMAT.name: m.FORMAT for m in (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)}
+    return {m.FORMAT.name: m.FORMAT for m in (q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, mxfp4)}
 
 
 FORMATS = _table()

@@ -8,6 +8,7 @@ zeros): panel p holds rows 8p..8p+7, in units of `sub` blocks of qk weights. Eac
             q_f[4c + e] | q_f[4c + 2 + e] << 6 (its low 2 bits), then at qk*4 + 16c', byte 2f + e =
             q_f[8c' + 2 + e] >> 2 | (q_f[8c' + 6 + e] >> 2) << 4 (the high 4 bits of chunks 2c', 2c' + 1)
         bytes, qk*8 bytes: byte 16j + 2f + e = q_f[2j + e]
+    (MXFP4's nibbles are 4-bit codes, each standing for an integer of the kind's `values` table)
     then each of the kind's per-block fields, the 8 features' values side by side (fp16, fp32 or a byte);
 and after a unit's blocks, the fields they share (a K-quant super-block's d), the same way, once.
 One extending load then gives two k of all 8 features as int16, the operand of a broadcast multiply. Each
@@ -36,6 +37,7 @@ class PanelKind:
     fields: tuple[str, ...]  # each block's
     shared: tuple[str, ...] = ()  # once a unit, for its blocks
     sub: int = 1  # blocks a unit
+    values: tuple[int, ...] = ()  # the integer each quant stands for, where it is a code (else itself)
 
     @property
     def quant_bytes(self) -> int:
@@ -67,13 +69,28 @@ class PanelKind:
             "q4_k": lambda: (f[2] * f[0], f[3] * (f[1] * -1.0)),
             "u8": lambda: (f[0], f[1]),
             "q6_k": lambda: (f[1] * f[0], zero),
+            "mxfp4": lambda: (exponent_scales(fields[0]), zero),
         }[self.name]()
 
     def dequantize(self, q: torch.Tensor, fields: list[torch.Tensor]) -> torch.Tensor:
         """quants [R, nb, qk] (this kind's bytes) and fields -> the weight [R, nb * qk] float32."""
         scale, low = self.scale_min(fields)
-        values = (q.view(torch.int8) if self.signed else q).float()
+        if self.values:
+            values = torch.tensor(self.values, dtype=torch.float32)[q.long()]
+        else:
+            values = (q.view(torch.int8) if self.signed else q).float()
         return (scale.unsqueeze(-1) * values + low.unsqueeze(-1)).reshape(q.shape[0], -1)
+
+
+def exponent_scales(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes e -> 2^(e - 128) float32, as ggml_e8m0_to_fp32_half makes them: exact, e < 2 the
+    denormals 2^-128 and 2^-127, and e = 255 2^127 (not a NaN, as ggml reads it)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23).view(torch.float32)
+
+
+# ggml's kvalues_mxfp4: the E2M1 (FP4) values doubled, so that they are integers; the scale halves them back
+FP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 def _field_bytes(fields: tuple[str, ...]) -> int:
@@ -87,6 +104,7 @@ KINDS = {k.name: k for k in (
     PanelKind("q4_k", 3, 32, "nibbles", False, ("u8", "u8"), ("f16", "f16"), 8),  # Q4_K: sc, m; d, dmin
     PanelKind("u8", 4, 32, "bytes", False, ("f32", "f32")),  # Q5_1, Q5_K: scale, min
     PanelKind("q6_k", 5, 16, "nibbles6", True, ("i8",), ("f16",), 16),  # Q6_K (q - 32): sc; d
+    PanelKind("mxfp4", 6, 32, "nibbles", False, ("u8",), values=FP4_VALUES),  # MXFP4: FP4 codes; exponent e
 )}
 
 # Or'ed into a kind's id: its product quantizes the activations to int8 (llama.cpp's precision; int16 else).

@@ -29,6 +29,11 @@ inline void wide_pairs(const uint8_t* p0, const uint8_t* p1, int64_t j, __m512i&
     const __m512i high = j & 1 ? _mm512_srli_epi16(n, 4) : _mm512_and_si512(n, _mm512_set1_epi16(0x0F));
     lo = _mm512_and_si512(w, _mm512_set1_epi16(0x3F));
     hi = _mm512_or_si512(_mm512_srli_epi16(w, 6), _mm512_slli_epi16(high, 2));
+  } else if constexpr (std::is_base_of_v<Fp4Codes, F>) {  // MXFP4: codes to their values, then widened
+    __m256i a, b;
+    F::values(both(p0 + 16 * j, p1 + 16 * j), a, b);
+    lo = _mm512_cvtepi8_epi16(a);
+    hi = _mm512_cvtepi8_epi16(b);
   } else {
     static_assert(is_bytes<F>, "a panel format wide_pairs knows");
     const __m256i a = both(p0 + 32 * j, p1 + 32 * j), b = both(p0 + 32 * j + 16, p1 + 32 * j + 16);
@@ -159,6 +164,10 @@ inline __m512i one_row_sums(const uint8_t* p0, const uint8_t* p1, const int8_t* 
       } else if constexpr (std::is_base_of_v<Nibbles, F>) {  // a byte's low nibble, k 4j + e; high, k 4j + 2 + e
         lo = _mm512_and_si512(v, low4);
         hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      } else if constexpr (std::is_base_of_v<Fp4Codes, F>) {  // the codes' values offset to bytes by 128, as above
+        const __m512i t = _mm512_broadcast_i32x4(_mm_xor_si128(F::table(), _mm_set1_epi8(static_cast<char>(0x80))));
+        lo = _mm512_shuffle_epi8(t, _mm512_and_si512(v, low4));
+        hi = _mm512_shuffle_epi8(t, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
       } else {  // 6 bits, k 4j + e; the 2 bits above them and, from the chunk pair's nibbles, 4 more: k 4j + 2 + e
         // the nibbles of chunks 0 and 1 (lanes 0 and 1), then of 2 and 3; each lane's nibble to bits 2-5
         const __m512i pair = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)));

@@ -145,14 +145,17 @@ struct Q6_K : Nibbles6, Units<104, 16, 16> {
   static inline __m256 mins(const uint8_t* p, int64_t b) { return _mm256_mul_ps(scales(p, b), _mm256_set1_ps(-32.0f)); }
 };
 
+#include "mxfp4.h"
+
 // Chunk j of a block of F as k quads of its 8 features, a byte a weight, for int8 activations: lane f's
 // bytes q_f[4j], q_f[4j + 2], q_f[4j + 1], q_f[4j + 3] (each pair's low word beside its high word), the
-// order quantize_rows writes a block's int8 activations in. Signed formats' bytes are int8, the others'
-// below 128 (6 bits at most), so that vpmaddubsw's pairwise int16 sums never saturate.
+// order quantize_rows writes a block's int8 activations in. Signed formats' bytes are int8 (MXFP4's values
+// too), the others' below 128 (6 bits at most), so that vpmaddubsw's pairwise int16 sums never saturate.
 template <class F>
-constexpr bool is_signed_bytes = std::is_base_of_v<Bytes<F::qk, true>, F>;
+constexpr bool is_signed_bytes = std::is_base_of_v<Bytes<F::qk, true>, F> || std::is_base_of_v<Fp4Codes, F>;
 template <class F>
 inline __m256i quads(const uint8_t* block, int64_t j) {
+  if constexpr (std::is_base_of_v<Fp4Codes, F>) return F::quads(block, j);
   if constexpr (std::is_base_of_v<Nibbles, F>) {  // a byte's two nibbles are a word's two bytes
     const __m256i w = _mm256_cvtepu8_epi16(load128(block + 16 * j));
     return _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0F0F));
@@ -165,7 +168,8 @@ inline __m256i quads(const uint8_t* block, int64_t j) {
 
 // The kinds as models/formats/panels.py numbers them; INT8_ACTIVATIONS or'ed into a kind quantizes the
 // activations to int8 (llama.cpp's precision, twice the multiply-adds an instruction) instead of int16.
-enum Kind : int64_t { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_0 = 2, KIND_Q4_K = 3, KIND_U8 = 4, KIND_Q6_K = 5 };
+enum Kind : int64_t { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q4_0 = 2, KIND_Q4_K = 3, KIND_U8 = 4, KIND_Q6_K = 5,
+                     KIND_MXFP4 = 6 };
 constexpr int64_t INT8_ACTIVATIONS = 16;
 
 }  // namespace kvserve_panels

@@ -255,6 +255,7 @@ void with_format(int64_t kind, Fn&& fn) {
     case KIND_Q4_K: return fn(Tag<Q4_K>{});
     case KIND_U8: return fn(Tag<U8>{});
     case KIND_Q6_K: return fn(Tag<Q6_K>{});
+    case KIND_MXFP4: return fn(Tag<MXFP4>{});
   }
   TORCH_CHECK(false, "unknown panel format ", kind);
 }

@@ -20,6 +20,8 @@ SCALE_FIELDS = {
     "Q8_0": ((0,), 0.0005), "Q4_K": ((0, 2), 2e-4), "Q5_K": ((0, 2), 1e-4), "Q6_K": ((208,), 5e-5),
     "Q2_K": ((80, 82), 5e-4),
 }
+# MXFP4's scale is an E8M0 exponent byte e (2^(e - 128)) at byte 0: the range of e that gives such weights
+EXPONENT_FIELDS = {"MXFP4": (0, range(118, 122))}
 
 
 def random_blocks(gguf_type: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -29,6 +31,10 @@ def random_blocks(gguf_type: str, rows: int, k: int, rng: np.random.Generator) -
     qtype = gguf.GGMLQuantizationType[gguf_type]
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, k // block, size), dtype=np.uint8)
+    if gguf_type in EXPONENT_FIELDS:
+        at, exponents = EXPONENT_FIELDS[gguf_type]
+        raw[..., at] = rng.integers(exponents.start, exponents.stop, size=raw.shape[:2], dtype=np.uint8)
+        return raw.reshape(rows, -1)
     offsets, bound = SCALE_FIELDS[gguf_type]
     for at in offsets:
         values = rng.uniform(-bound, bound, size=raw.shape[:2]).astype(np.float16)

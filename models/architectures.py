@@ -10,6 +10,7 @@ from __future__ import annotations
 from .blocks import Transformer
 from .config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .gemma3 import Gemma2Transformer, Gemma3Transformer
+from .gpt_oss import GptOssTransformer
 from .phi3 import Phi3Transformer
 from .qwen3 import Qwen3Transformer
 from .qwen3_moe import Qwen3MoeTransformer
@@ -25,6 +26,7 @@ DECODERS: dict[str, type[Transformer]] = {
     "gemma3": Gemma3Transformer,  # Gemma's block, sliding and full layers, q/k norms
     "gemma2": Gemma2Transformer,  # Gemma 3's without q/k norms, attention scores capped
     "qwen3moe": Qwen3MoeTransformer,  # Qwen3's attention, a mixture of experts for the MLP
+    "gpt-oss": GptOssTransformer,  # attention sinks, sliding and full layers, experts with biases
 }
 assert set(DECODERS) == set(SUPPORTED_ARCHITECTURES), "every architecture a config may name builds a decoder"
 
@@ -69,6 +71,11 @@ _GEMMA_NORMS = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 GGUF_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
+    # gpt-oss: the norm before the experts, the sinks, and the biases of the output, the router and the experts
+    "gpt-oss": {"post_attention_norm.weight": "post_attention_layernorm.weight", "attn_sinks.weight": "self_attn.sinks",
+                "attn_output.bias": "self_attn.o_proj.bias", "ffn_gate_inp.bias": "mlp.router.bias",
+                "ffn_gate_exps.bias": "mlp.experts.gate_bias", "ffn_up_exps.bias": "mlp.experts.up_bias",
+                "ffn_down_exps.bias": "mlp.experts.down_bias"},
     "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,

@@ -65,6 +65,9 @@ def hf_attention_options(cfg: dict[str, Any], arch: str, n_layers: int, max_cont
     """ModelConfig's window and Gemma fields from a config.json (HF_DEFAULTS already under it)."""
     if arch in GEMMA_ARCHITECTURES:
         return hf_gemma_options(cfg, arch, n_layers)
+    if arch == "gpt-oss":  # a window on the sliding_attention layers
+        types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        return {"layer_windows": _windows(types, cfg.get("sliding_window"), n_layers, "config.json")}
     return every_layer_window(hf_sliding_window(cfg), arch, n_layers, max_context, "config.json sliding_window")
 
 
@@ -73,6 +76,9 @@ def gguf_attention_options(meta: dict[str, Any], arch: str, n_layers: int, dim: 
     """ModelConfig's window and Gemma fields from GGUF metadata."""
     if arch in GEMMA_ARCHITECTURES:
         return gguf_gemma_options(meta, arch, n_layers, dim, n_heads)
+    if arch == "gpt-oss":  # llama.cpp's pattern for it: every even layer windowed (load_swa_pattern(ml, 2))
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+        return {"layer_windows": _windows(types, meta.get(f"{arch}.attention.sliding_window"), n_layers, "GGUF")}
     # Mistral's files say llama, whose llama.cpp decoder reads no window. phi3's converter writes config.json's
     # sliding_window as it is (0 for none, Phi-4), which we honour as transformers does; llama.cpp itself runs
     # Phi-3 without it for now (src/models/phi3.cpp: "Phi SWA is currently disabled")

@@ -26,7 +26,11 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     if config.rope_freq_factors is not None:
         inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float64)
     rs = config.rope_scaling
-    if rs is not None and rs.kind == "linear":
+    if rs is not None and rs.kind == "yarn":
+        from .yarn import yarn_inv_freq
+
+        inv = yarn_inv_freq(config.rope_theta, d, rs)
+    elif rs is not None and rs.kind == "linear":
         inv = inv / rs.factor
     elif rs is not None and rs.kind == "llama3":
         low_wavelen = rs.original_max_position / rs.low_freq_factor
@@ -118,10 +122,15 @@ class Attention(nn.Module):
     def forward(self, x, positions, cos, sin):
         n = x.shape[1]
         q, k, v = self.heads(self.qkv_proj(x), cos, sin)  # [1, H, n, D] each
-        out = torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.scale, x.dtype, self.window,
-                                                  self.softcap)
+        out = self.attend(q, k, v, positions, x.dtype)  # [1, H_q, n, D]
         out = out.transpose(1, 2).reshape(1, n, self.n_heads * self.head_dim)  # [1, n, H_q * D]
         return self.o_proj(out)
+
+
+    def attend(self, q, k, v, positions, dtype):
+        """The op's call: this layer's window, scale and score cap (an architecture may add to it)."""
+        return torch.ops.kvcache.update_and_attend(q, k, v, positions, self.layer_id, self.scale, dtype, self.window,
+                                                   self.softcap)
 
 
 class SwiGLU(nn.Module):

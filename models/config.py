@@ -12,23 +12,26 @@ class UnsupportedModel(ValueError):
 
 
 # ModelConfig.architecture: architectures.DECODERS builds each one's decoder
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma2", "gemma3", "qwen3moe")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "mistral", "gemma2", "gemma3", "qwen3moe", "gpt-oss")
 # GGUF's general.architecture names; Mistral's files say "llama"
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma2", "gemma3", "qwen3moe", "gpt-oss")
 # the decoders that honour ModelConfig.layer_windows, and the Gemma options
-WINDOWED_ARCHITECTURES = ("mistral", "phi3", "gemma2", "gemma3")
+WINDOWED_ARCHITECTURES = ("mistral", "phi3", "gemma2", "gemma3", "gpt-oss")
 GEMMA_OPTIONS = ("rope_theta_local", "attention_scale", "final_logit_softcap", "attn_logit_softcap")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: 'linear' or 'llama3'."""
+    """RoPE frequency scaling: 'linear', 'llama3' or 'yarn' (yarn.py: its betas, and whether its range is rounded)."""
 
     kind: str
     factor: float
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,8 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_ffn_dim: int = 0
     routing: str = ""
+    swiglu_limit: float = 0.0  # gpt-oss's experts: gate and up clamped at it (0: plain SwiGLU)
+    swiglu_alpha: float = 0.0  # gpt-oss's experts: gate * sigmoid(alpha * gate)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -85,7 +90,7 @@ class ModelConfig:
                 raise UnsupportedModel(f"model config field {name} must be positive, got {getattr(self, name)}")
         if self.n_heads % self.n_kv_heads:
             raise UnsupportedModel(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        if self.rope_scaling is not None and self.rope_scaling.kind not in ("linear", "llama3"):
+        if self.rope_scaling is not None and self.rope_scaling.kind not in ("linear", "llama3", "yarn"):
             raise UnsupportedModel(f"unsupported rope scaling type {self.rope_scaling.kind!r}")
         # each option is honoured by one decoder only: elsewhere it would be silently ignored
         if self.rope_dim is not None:
@@ -110,8 +115,8 @@ class ModelConfig:
         if factors is not None and (len(factors) != self.rotary_dim // 2 or not all(f > 0 for f in factors)):
             raise UnsupportedModel(f"RoPE frequency factors must be positive, one for each of the {self.rotary_dim // 2} "
                                    f"frequencies of {self.rotary_dim} rotated dims; got {len(factors)}")
-        if self.rope_attn_factor != 1.0 and (self.architecture != "phi3" or not self.rope_attn_factor > 0):
-            raise UnsupportedModel(f"rope_attn_factor must be positive, and is implemented for phi3 (longrope) only; "
+        if self.rope_attn_factor != 1.0 and (self.architecture not in ("phi3", "gpt-oss") or not self.rope_attn_factor > 0):
+            raise UnsupportedModel(f"rope_attn_factor must be positive, and is implemented for phi3 and gpt-oss only; "
                                    f"got {self.rope_attn_factor} for {self.architecture}")
         for name, value in ((name, getattr(self, name)) for name in GEMMA_OPTIONS if getattr(self, name) is not None):
             if self.architecture not in ("gemma2", "gemma3") or not value > 0:
@@ -148,6 +153,7 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
     "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "MistralForCausalLM": "mistral",
     "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3", "Qwen3MoeForCausalLM": "qwen3moe",
+    "GptOssForCausalLM": "gpt-oss",
 }
 
 
@@ -159,6 +165,10 @@ def hf_rope_scaling(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if kind == "linear":
         return theta, RopeScaling("linear", float(rs["factor"]))
+    if kind == "yarn":
+        from .yarn import hf_yarn
+
+        return theta, hf_yarn(rs, theta)["rope_scaling"]
     if kind == "llama3":
         return theta, RopeScaling(
             "llama3",
@@ -214,6 +224,10 @@ def from_hf_config(cfg: dict[str, Any], eos_ids: tuple[int, ...] = ()) -> ModelC
     if rope is None:
         theta, scaling = hf_rope_scaling(cfg)
         rope = dict(rope_theta=theta, rope_scaling=scaling)
+        if scaling is not None and scaling.kind == "yarn":  # with its attention factor
+            from .yarn import hf_yarn
+
+            rope = hf_yarn(cfg.get("rope_scaling") or cfg.get("rope_parameters"), theta)
     eos = cfg.get("eos_token_id")
     eos = tuple(eos_ids) or (tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ())
     fields = dict(
@@ -256,7 +270,12 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_facto
     n_heads = int(field("attention.head_count"))
     scaling = None
     kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind not in (None, "none"):
+    yarn = {}
+    if kind == "yarn":
+        from .yarn import gguf_yarn
+
+        yarn = gguf_yarn(meta, arch)
+    elif kind not in (None, "none"):
         if kind != "linear":
             raise UnsupportedModel(f"unsupported rope scaling type {kind!r}")
         scaling = RopeScaling("linear", float(field("rope.scaling.factor")))
@@ -296,14 +315,14 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_weight: bool, rope_facto
         rope_freq_factors=tuple(float(x) for x in freqs) if freqs is not None else None,
         norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings=not has_output_weight,
-        qkv_bias=arch == "qwen2",
+        qkv_bias=arch in ("qwen2", "gpt-oss"),
         max_context=max_context,
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_ids=(int(eos),) if eos is not None else (),
         rope_dim=rope_dim,
         layers_without_rope=without_rope,
     )
-    return ModelConfig(**{**fields, **options, **longrope, **gguf_moe_options(meta, arch)})
+    return ModelConfig(**{**fields, **options, **longrope, **yarn, **gguf_moe_options(meta, arch)})
 
 
 PRESETS: dict[str, ModelConfig] = {

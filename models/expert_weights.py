@@ -18,6 +18,7 @@ from .stored import StoredTensor
 from .weight_memory import empty_weight
 
 PARTS = ("gate_proj", "up_proj", "down_proj")
+BIASES = ("gate_bias", "up_bias", "down_bias")
 # weight mode -> the block kind its requantized experts take (quant.REQUANTIZE's layers' kind)
 REQUANTIZED = {"q4": ("q4", "Q4_1"), "q4_0": ("q4_0", "Q4_0"), "q8_0": ("q8", "Q8_0")}
 Weight = torch.Tensor | StoredTensor
@@ -33,16 +34,37 @@ def take_experts(state: dict, config: ModelConfig) -> tuple[dict, dict[str, Weig
         mlp = f"layers.{i}.mlp"
         if f"{mlp}.gate.weight" in state:
             state[f"{mlp}.router.weight"] = state.pop(f"{mlp}.gate.weight")
-        fused = state.pop(f"{mlp}.experts.gate_up_proj", None)  # transformers' in-memory layout [E, 2F, C]
-        if isinstance(fused, torch.Tensor):
-            experts[f"{mlp}.experts.gate_proj"], experts[f"{mlp}.experts.up_proj"] = fused.chunk(2, dim=1)
+        if f"{mlp}.experts.gate_up_proj" in state:
+            experts.update(_fused_experts(state, f"{mlp}.experts", config.architecture))
         for part in PARTS:
             keys = [f"{mlp}.experts.{e}.{part}.weight" for e in range(config.n_experts)]
             if all(k in state for k in keys):
                 experts[f"{mlp}.experts.{part}"] = torch.stack([state.pop(k) for k in keys])  # [E, N, K]
             elif f"{mlp}.experts.{part}" in state:
                 experts[f"{mlp}.experts.{part}"] = state.pop(f"{mlp}.experts.{part}")
+        for part in BIASES:
+            if f"{mlp}.experts.{part}" in state:
+                experts[f"{mlp}.experts.{part}"] = state.pop(f"{mlp}.experts.{part}")
     return state, experts
+
+
+def _fused_experts(state: dict, prefix: str, arch: str) -> dict[str, torch.Tensor]:
+    """transformers' fused expert tensors -> ours. gpt-oss's folders hold gate_up_proj [E, C, 2F], gate and up
+    columns interleaved, down_proj [E, F, C] (each multiplied from the right), and their biases; elsewhere
+    gate_up_proj is [E, 2F, C], gate rows first."""
+    fused = state.pop(f"{prefix}.gate_up_proj")
+    if arch != "gpt-oss":
+        gate, up = fused.chunk(2, dim=1)
+        return {f"{prefix}.gate_proj": gate, f"{prefix}.up_proj": up}
+    out = {f"{prefix}.gate_proj": fused[..., 0::2].transpose(1, 2).contiguous(),
+           f"{prefix}.up_proj": fused[..., 1::2].transpose(1, 2).contiguous(),
+           f"{prefix}.down_proj": state.pop(f"{prefix}.down_proj").transpose(1, 2).contiguous()}
+    bias = state.pop(f"{prefix}.gate_up_proj_bias", None)
+    if bias is not None:
+        out[f"{prefix}.gate_bias"], out[f"{prefix}.up_bias"] = bias[..., 0::2].contiguous(), bias[..., 1::2].contiguous()
+    if f"{prefix}.down_proj_bias" in state:
+        out[f"{prefix}.down_bias"] = state.pop(f"{prefix}.down_proj_bias")
+    return out
 
 
 def expert_view(w: StoredTensor, e: int) -> StoredTensor:
@@ -110,5 +132,10 @@ def assign_experts(model: nn.Module, experts: dict[str, Weight], weights: str, a
             kinds.append(kind | INT8_ACTIVATIONS if kind != FLOAT and activations == "int8" else kind)
             sources.append(source)
         e.kinds, e.sources = tuple(kinds), tuple(sources)
+        for part, expected in zip(BIASES, e.biases()):
+            b = experts.pop(f"{name}.experts.{part}", None)
+            if b is None or tuple(b.shape) != tuple(expected.shape):
+                raise ModelLoadError(f"weight {name}.experts.{part} is missing or not of shape {tuple(expected.shape)}")
+            e.register_buffer(part, (b.floats() if isinstance(b, StoredTensor) else b).float().contiguous())
     if experts:
         raise ModelLoadError(f"checkpoint does not fit the model: unexpected {sorted(experts)[:5]}")

@@ -15,7 +15,9 @@ from typing import Any
 from .config import ModelConfig, UnsupportedModel
 
 ROUTINGS = {"softmax": 0, "softmax_norm": 1, "topk_softmax": 2}
-MOE_ARCHITECTURES = ("qwen3moe",)
+MOE_ARCHITECTURES = ("qwen3moe", "gpt-oss")
+# gpt-oss's clamped SwiGLU, which llama.cpp hard-codes (GGUF files do not state it)
+GPT_OSS_SWIGLU = dict(swiglu_limit=7.0, swiglu_alpha=1.702)
 
 
 def check_moe(config: ModelConfig) -> None:
@@ -28,12 +30,18 @@ def check_moe(config: ModelConfig) -> None:
     if not (0 < config.n_experts_used <= config.n_experts) or config.expert_ffn_dim <= 0:
         raise UnsupportedModel(f"a mixture-of-experts model needs 0 < experts used ({config.n_experts_used}) <= "
                                f"experts ({config.n_experts}) and a positive expert FFN width ({config.expert_ffn_dim})")
+    if (config.swiglu_limit > 0) != (config.architecture == "gpt-oss"):
+        raise UnsupportedModel("the clamped SwiGLU (swiglu_limit) is gpt-oss's, and gpt-oss's experts need it")
     if config.routing not in ROUTINGS:
         raise UnsupportedModel(f"unsupported expert routing {config.routing!r}; supported: {', '.join(ROUTINGS)}")
 
 
 def hf_moe_options(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The MoE fields of a config.json; {} for a dense architecture."""
+    if arch == "gpt-oss":
+        return dict(n_experts=int(cfg["num_local_experts"]), n_experts_used=int(cfg["num_experts_per_tok"]),
+                    expert_ffn_dim=int(cfg["intermediate_size"]), routing="topk_softmax",
+                    swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if arch != "qwen3moe":
         return {}
     n_layers = int(cfg["num_hidden_layers"])
@@ -52,7 +60,7 @@ def hf_moe_options(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def gguf_moe_options(meta: dict[str, Any], arch: str) -> dict[str, Any]:
     """The MoE fields of a GGUF's metadata (llama.cpp's keys); {} for a dense architecture."""
-    if arch != "qwen3moe":
+    if arch not in MOE_ARCHITECTURES:
         return {}
 
     def field(name):
@@ -61,5 +69,8 @@ def gguf_moe_options(meta: dict[str, Any], arch: str) -> dict[str, Any]:
             raise UnsupportedModel(f"GGUF file lacks metadata field {arch}.{name}")
         return int(value)
 
+    if arch == "gpt-oss":
+        return dict(n_experts=field("expert_count"), n_experts_used=field("expert_used_count"),
+                    expert_ffn_dim=field("expert_feed_forward_length"), routing="topk_softmax", **GPT_OSS_SWIGLU)
     return dict(n_experts=field("expert_count"), n_experts_used=field("expert_used_count"),
                 expert_ffn_dim=field("expert_feed_forward_length"), routing="softmax_norm")

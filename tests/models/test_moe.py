@@ -14,6 +14,7 @@ from .test_architectures import OTHER_PROMPT, batched_greedy, matches_transforme
 from .test_models import PROMPT, Session, greedy, hf_greedy, run_prompt
 
 N_EXPERTS, TOP_K = 8, 2
+GPT_OSS_WINDOW = 6
 needs_kernels = pytest.mark.skipif(not model_kernels_available(), reason="the C++/AVX2 kernels are unavailable")
 
 
@@ -31,14 +32,24 @@ def write_moe_checkpoint(folder, arch: str, tokenizer_source, seed: int = 0, nor
                                           num_experts=N_EXPERTS, num_experts_per_tok=TOP_K,
                                           norm_topk_prob=norm_topk_prob)
         model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif arch == "gpt-oss":
+        # YaRN over an original context of 64, a window of 6: both test prompts pass it
+        rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+        cfg = transformers.GptOssConfig(**{**common, "max_position_embeddings": 512}, head_dim=16, intermediate_size=32,
+                                        num_local_experts=N_EXPERTS, num_experts_per_tok=TOP_K, sliding_window=GPT_OSS_WINDOW,
+                                        rope_parameters=rope, attention_bias=True)
+        model = transformers.GptOssForCausalLM(cfg)
     else:
         raise ValueError(arch)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
-            elif "gate" in name and "experts" not in name and p.dim() == 2:
+            elif ("gate" in name or "router" in name) and "experts" not in name and p.dim() == 2:
                 p.normal_(0.0, 0.5)  # a router whose choices differ from token to token
+            elif "bias" in name or "sinks" in name:
+                p.normal_(0.0, 0.5)  # transformers starts biases at zero: random ones show where they go
     return save_checkpoint(model, folder, tokenizer_source)
 
 
@@ -47,7 +58,8 @@ def moe_folders(tmp_path_factory, smollm):
     root = tmp_path_factory.mktemp("moe")
     return {"qwen3moe": write_moe_checkpoint(root / "qwen3moe", "qwen3moe", smollm.tokenizer, seed=5),
             "qwen3moe-softmax": write_moe_checkpoint(root / "qwen3moe-softmax", "qwen3moe", smollm.tokenizer, seed=6,
-                                                     norm_topk_prob=False)}
+                                                     norm_topk_prob=False),
+            "gpt-oss": write_moe_checkpoint(root / "gpt-oss", "gpt-oss", smollm.tokenizer, seed=7)}
 
 
 @pytest.fixture(scope="module")
@@ -58,12 +70,18 @@ def hf_models(moe_folders):
             for name, folder in moe_folders.items()}
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe-softmax"])
+ROUTING = {"qwen3moe": "softmax_norm", "qwen3moe-softmax": "softmax", "gpt-oss": "topk_softmax"}
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe-softmax", "gpt-oss"])
 def test_moe_folder_matches_transformers(moe_folders, hf_models, name):
     model = load_model(str(moe_folders[name]), weights="f32", use_cache=False)
     config = model.config
-    assert (config.architecture, config.n_experts, config.n_experts_used, config.expert_ffn_dim) == ("qwen3moe", 8, 2, 32)
-    assert config.routing == ("softmax_norm" if name == "qwen3moe" else "softmax")
+    assert (config.architecture, config.n_experts, config.n_experts_used, config.expert_ffn_dim) == (name.split("-s")[0], 8, 2, 32)
+    assert config.routing == ROUTING[name]
+    if name == "gpt-oss":
+        assert config.layer_windows == (GPT_OSS_WINDOW, 0, GPT_OSS_WINDOW) and config.rope_scaling.kind == "yarn"
+        assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)
     ids = model.tokenizer.encode(PROMPT)
     matches_transformers(model, hf_models[name], ids, [None, [5, 7, len(ids) - 12]])
     graph = model.forward.module.graph

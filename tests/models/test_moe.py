@@ -1,6 +1,9 @@
 """Mixture-of-experts decoders against transformers: tiny random Qwen3-MoE checkpoints that transformers
 writes, loaded by kvserve from the folder and from llama.cpp's conversion of it, in every weight mode, with
 the expert step one op a layer whose rows never depend on one another."""
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -89,16 +92,30 @@ def test_moe_folder_matches_transformers(moe_folders, hf_models, name):
     assert sum("update_and_attend" in str(n.target) for n in graph.nodes) == config.n_layers
 
 
-def test_llama_cpp_conversion_matches_transformers(moe_folders, hf_models, tmp_path):
-    """llama.cpp's converter writes the experts as one 3-D tensor a projection; the file reads as the folder."""
-    path = write_gguf_from_hf(moe_folders["qwen3moe"], tmp_path / "qwen3moe.gguf")
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_llama_cpp_conversion_matches_transformers(moe_folders, hf_models, name, tmp_path):
+    """llama.cpp's converter writes the experts as one 3-D tensor a projection (gpt-oss's gate and up
+    de-interleaved, its biases and sinks beside them); the file reads as the folder. llama.cpp rounds YaRN's
+    range, so gpt-oss's file is compared with transformers on the same folder told to round it too."""
+    folder = moe_folders[name]
+    hf = hf_models[name]
+    if name == "gpt-oss":
+        import transformers
+
+        folder = tmp_path / "rounded"
+        shutil.copytree(moe_folders[name], folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["rope_parameters"]["truncate"] = True
+        (folder / "config.json").write_text(json.dumps(cfg))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    path = write_gguf_from_hf(folder, tmp_path / f"{name}.gguf")
     ours = load_model(str(path), weights="f32", use_cache=False)
-    folder_config = read_hf(moe_folders["qwen3moe"])[0]
+    folder_config = read_hf(folder)[0]
     for field in ("architecture", "n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_used",
-                  "expert_ffn_dim", "routing"):
+                  "expert_ffn_dim", "routing", "layer_windows", "rope_scaling", "qkv_bias", "swiglu_limit"):
         assert getattr(ours.config, field) == getattr(folder_config, field), field
+    assert ours.config.rope_attn_factor == pytest.approx(folder_config.rope_attn_factor)
     ids = ours.tokenizer.encode(PROMPT)
-    hf = hf_models["qwen3moe"]
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     with Session(ours.config) as session, torch.no_grad():

@@ -14,9 +14,11 @@ from server.config import EngineConfig
 from ..live_server import LiveServer
 from ..models.test_architectures import CHECKPOINTS, write_arch_checkpoint
 from ..models.test_gemma import write_checkpoint
+from ..models.test_moe import write_moe_checkpoint
 
 GEMMAS = ("gemma2", "gemma3", "mistral-window")  # test_gemma's kinds; its mistral windows every layer
-ARCHITECTURES = CHECKPOINTS + GEMMAS
+MOES = ("qwen3moe", "gpt-oss")  # test_moe's, gpt-oss windowed on every other layer
+ARCHITECTURES = CHECKPOINTS + GEMMAS + MOES
 # longer than every window (5 and 8) and its margin (kvcache/session_cache.py), so cached blocks hold keys
 # every window has passed, and a session of a model windowed on every layer gives some back
 PROMPT = ("Once upon a time, in a quiet village by the river, there lived a small fox who counted the stars every "
@@ -37,6 +39,8 @@ def folders(tmp_path_factory, smollm):
            for i, arch in enumerate(CHECKPOINTS)}
     for i, kind in enumerate(GEMMAS):
         out[kind] = lambda k=kind, i=i: write_checkpoint(root / k, k.removesuffix("-window"), smollm.tokenizer, seed=70 + i)
+    for i, kind in enumerate(MOES):
+        out[kind] = lambda k=kind, i=i: write_moe_checkpoint(root / k, k, smollm.tokenizer, seed=80 + i)
     return out
 
 

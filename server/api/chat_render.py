@@ -33,7 +33,7 @@ def render_chat(tok: TextTokenizer, body: ChatCompletionRequest | TokenizeReques
                                 body.chat_template_kwargs) + start
     forced = tools.offers_tools(body) and body.tool_choice not in (None, "auto")
     thinks = chat_template.thinks(tok)
-    reader = ReplyReader(thinks=thinks, opened=thinks and opens_thought(text), names=frozenset(tools.offered_names(body)),
+    reader = ReplyReader(thinks=thinks, opened=thinks and opens_thought(text), names=tools.offered_functions(body),
                          forced=forced, format=fmt)
     return RenderedChat(tok.encode(text, add_special=add_special), reader)
 

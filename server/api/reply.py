@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.sampling import SamplingParams
 from .reasoning import ReasoningStream
 from .tool_formats import ToolFormat, hermes
+from .tool_formats.base import Offered
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class ReplyReader:
 
     thinks: bool = False  # the template has think blocks: they are split off the reply
     opened: bool = False  # the prompt ended inside one
-    names: frozenset[str] = frozenset()  # the functions the reply may call (none: no calls are read)
+    names: Offered = field(default_factory=dict)  # the functions the reply may call (none: no calls are read)
     forced: bool = False  # a forced tool_choice's grammar wrote the reply: Hermes calls only
     format: ToolFormat = hermes.FORMAT  # the format of the model's own calls
 
@@ -54,7 +55,7 @@ class ReplyReader:
             reasoning, content = "".join(r for r, _ in split), "".join(c for _, c in split)
         calls = []
         if self.names:
-            content, calls = self._calls().parse(content, set(self.names))
+            content, calls = self._calls().parse(content, self.names)
         if thought is not None and thought.had_block and not content:
             content = None  # a reply that never left its block (or said nothing after it)
         return Reply(reasoning or None, content, calls, thought.reasoning_pieces if thought is not None else 0)
@@ -68,7 +69,7 @@ class ReplyStream:
 
     def __init__(self, reader: ReplyReader) -> None:
         self.thought = ReasoningStream(reader.opened) if reader.thinks else None
-        self.calls = reader._calls().stream(set(reader.names)) if reader.names else None
+        self.calls = reader._calls().stream(reader.names) if reader.names else None
 
     @property
     def complete(self) -> int:

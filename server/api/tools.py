@@ -67,9 +67,9 @@ def offers_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def offered_names(body: ChatCompletionRequest) -> set[str]:
-    """The functions a reply may call (none where tools are not offered)."""
-    return {t.function.name for t in body.tools} if offers_tools(body) else set()
+def offered_functions(body: ChatCompletionRequest) -> dict[str, dict]:
+    """The functions a reply may call, each one's parameters schema by its name (none where tools are not offered)."""
+    return {t.function.name: t.function.parameters for t in body.tools} if offers_tools(body) else {}
 
 
 def forced_tools(body: ChatCompletionRequest) -> list[dict] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,12 +22,17 @@ class CallStream(Protocol):
     def finish(self) -> tuple[str, list[dict]]: ...
 
 
+# the functions a reply may call: each one's parameters schema by its name (a format that types the
+# arguments it reads, such as Qwen3-Coder's, reads the schemas; the others only the names)
+Offered = Mapping[str, Any]
+
+
 @dataclass(frozen=True)
 class ToolFormat:
     name: str
-    # a reply's text and the offered names -> (its content, or None; its complete calls of those names, OpenAI-shaped)
-    parse: Callable[[str, set[str]], tuple[str | None, list[dict]]]
-    stream: Callable[[set[str]], CallStream]  # the same, piece by piece
+    # a reply's text and the offered functions -> (its content, or None; its complete calls of them, OpenAI-shaped)
+    parse: Callable[[str, Offered], tuple[str | None, list[dict]]]
+    stream: Callable[[Offered], CallStream]  # the same, piece by piece
     history: Callable[[ChatMessage], dict[str, Any]]  # an earlier message as the template takes it
     # its markers are control tokens in its models' vocabularies: a reply offered tools keeps special tokens
     # in its text, or they would vanish from it

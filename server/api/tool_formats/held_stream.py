@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from .base import Offered
+
 # (text so far, whether nothing has gone out yet) -> (how many leading characters are surely content,
 # whether calls begin right after them)
 Splitter = Callable[[str, bool], tuple[int, bool]]
-Parser = Callable[[str, set[str]], tuple[str | None, list[dict]]]
+Parser = Callable[[str, Offered], tuple[str | None, list[dict]]]
 
 
 class HeldCallStream:
-    def __init__(self, names: set[str], split: Splitter, parse: Parser) -> None:
+    def __init__(self, names: Offered, split: Splitter, parse: Parser) -> None:
         self.names, self.split, self.parse = names, split, parse
         self.buf = ""  # content not sent yet: it may still be where calls begin
         self.held: str | None = None  # the text from where calls begin, once they have

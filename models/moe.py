@@ -5,8 +5,8 @@
 
 The op picks each row's experts (moe_config.ROUTINGS), groups the rows by expert, and runs each chosen
 expert once over all the rows that chose it: a step reads an expert's weights once, whatever the number of
-its rows. Each product is row by row, and a row sums its experts' outputs in ascending expert order (as
-transformers does), so a row's output never depends on what else shares its step: speculation relies on it.
+its rows. Each product is row by row, and a row sums its experts' weighted outputs in the router's order
+(as llama.cpp does), so a row's output never depends on what else shares its step: speculation relies on it.
 
 Op contract, kvserve::moe_experts(x, logits, top_k, routing, weights, ns, kinds, biases, swiglu_limit, swiglu_alpha):
     x [n, C], logits [n, E]
@@ -74,7 +74,7 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int,
     flat = ids.reshape(-1)  # [n * k]: row r's choices at r*k .. r*k + k - 1
     order = flat.argsort(stable=True)  # by expert, each expert's rows ascending
     counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    picked = torch.empty(flat.shape[0], x.shape[1], dtype=torch.float32)  # [n * k, C]: each choice's weighted output
     start = 0
     for e, count in enumerate(counts):
         if count == 0:
@@ -90,7 +90,11 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int,
         y = _products(h, [down[e]], ns[2:], kinds[2:])  # [m, C]
         if biases:
             y = y + biases[2][e]
-        out.index_add_(0, rows, y * route_weights.reshape(-1)[chosen].unsqueeze(1))
+        picked.index_copy_(0, chosen, y * route_weights.reshape(-1)[chosen].unsqueeze(1))
+    picked = picked.view(x.shape[0], top_k, x.shape[1])  # [n, k, C]
+    out = picked[:, 0]
+    for j in range(1, top_k):  # one add a choice, so that a row's sum runs in one order whatever the batch
+        out = out + picked[:, j]
     return out.to(dtype)
 
 

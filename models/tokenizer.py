@@ -21,6 +21,13 @@ QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# o200k's (gpt-oss, Llama 4): cased words, an apostrophe suffix kept with them, numbers by threes
+GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 class ChatTemplateError(ValueError):
     """The chat template could not render the given messages."""
@@ -46,6 +53,7 @@ GGUF_PRE_TOKENIZERS = {
     "llama-bpe": lambda: _byte_level(LLAMA3_SPLIT),
     "llama3": lambda: _byte_level(LLAMA3_SPLIT),
     "qwen2": lambda: _byte_level(QWEN2_SPLIT),
+    "gpt-4o": lambda: _byte_level(GPT4O_SPLIT),
 }
 
 

@@ -147,3 +147,29 @@ def with_scores(source: Path, out: Path, scores: list[float]) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+@contextlib.contextmanager
+def llama_cpp_greedy(binary: Path, gguf: Path):
+    """llama.cpp's greedy continuation on `gguf`: a function ids, n -> the n token ids llama-server picks
+    after them, one sequence at a time, no prompt cache."""
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", "2", "-c", "512", "-np", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 120, proc)
+        with httpx.Client(base_url=url, timeout=120) as client:
+            def greedy(ids: list[int], n: int) -> list[int]:
+                body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                        "return_tokens": True, "ignore_eos": True}
+                return client.post("/completion", json=body).raise_for_status().json()["tokens"]
+
+            yield greedy
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

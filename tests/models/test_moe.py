@@ -14,6 +14,7 @@ from models.hf_loader import read_hf
 from models.quant import model_kernels_available
 
 from .test_architectures import OTHER_PROMPT, batched_greedy, matches_transformers, save_checkpoint, write_gguf_from_hf
+from .spm_files import llama_cpp_greedy, llama_server_binary
 from .test_models import PROMPT, Session, greedy, hf_greedy, run_prompt
 
 N_EXPERTS, TOP_K = 8, 2
@@ -122,6 +123,19 @@ def test_llama_cpp_conversion_matches_transformers(moe_folders, hf_models, name,
         got = run_prompt(session.committing(ours.forward), ours.config, ids, all_logits=True)
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
     assert greedy(ours.forward, ours.config, ids, 16) == hf_greedy(hf, ids, 16)
+
+
+@needs_kernels
+@pytest.mark.skipif(llama_server_binary() is None, reason="llama-server is not built (python bench/llama_server.py)")
+@pytest.mark.parametrize("name", ["qwen3moe", "gpt-oss"])
+def test_f16_files_give_llama_servers_greedy_tokens(moe_folders, name, tmp_path):
+    """The same F16 file in both: 32 greedy tokens of each of two prompts, as stored on our side."""
+    path = write_gguf_from_hf(moe_folders[name], tmp_path / f"{name}.f16.gguf", outtype="f16")
+    ours = load_model(str(path), weights="stored", use_cache=False)
+    prompts = [ours.tokenizer.encode(PROMPT), ours.tokenizer.encode(OTHER_PROMPT)]
+    with llama_cpp_greedy(llama_server_binary(), path) as theirs:
+        for ids in prompts:
+            assert greedy(ours.forward, ours.config, ids, 32) == theirs(ids, 32)
 
 
 @needs_kernels

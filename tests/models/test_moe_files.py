@@ -11,6 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
+from models.quant import model_kernels_available
 from server.local import free_port, wait_healthy
 
 from .spm_files import llama_server_binary
@@ -223,3 +224,33 @@ def test_llama_server_loads_the_file_tokenizes_its_specials_whole_and_generates(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not model_kernels_available(), reason="the C++/AVX2 kernels are unavailable")
+@pytest.mark.parametrize("model, held", [("qwen3", {"Q4_K", "Q6_K"}), ("gpt-oss", {"MXFP4", "Q8_0"})])
+def test_kvserve_serves_the_shrunk_files_as_stored_and_batch_invariant(written, model, held):
+    """The real widths, experts and formats: held as stored, and a prompt's greedy tokens the same alone and
+    beside another, bitwise."""
+    from models import load_model
+
+    from .test_architectures import batched_greedy
+    from .test_models import greedy
+
+    ours = load_model(str(written[model]), weights="auto", use_cache=False)
+    assert held <= {t for t, _ in ours.held}, ours.held
+    prompts = [ours.tokenizer.encode("The quick brown fox jumps over the lazy dog."), ours.tokenizer.encode("Once upon")]
+    alone = [greedy(ours.forward, ours.config, ids, 8) for ids in prompts]
+    assert batched_greedy(ours.forward, ours.config, prompts, 8)[1] == alone
+
+
+@pytest.mark.skipif(llama_server_binary() is None, reason="llama-server is not built (python bench/llama_server.py)")
+def test_the_gpt_4o_pre_tokenizer_splits_as_llama_cpps(written):
+    """gpt-oss's files name o200k's pre-tokenizer (gpt-4o): cased words, numbers by threes, apostrophes."""
+    from models.gguf_loader import read_gguf
+
+    from .spm_files import llama_cpp_tokenizer
+
+    tokenizer = read_gguf(written["gpt-oss"])[2]
+    text = "HTTPServer said: don't SHOUT 1234567 times!\n\n  Ünïcode çafé <|start|>user<|message|>hi"
+    with llama_cpp_tokenizer(llama_server_binary(), written["gpt-oss"]) as theirs:
+        assert tokenizer.encode(text, add_special=False) == theirs(text)

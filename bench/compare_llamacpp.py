@@ -44,6 +44,8 @@ import multiturn  # noqa: E402
 from launch import launched_server, warm_up  # noqa: E402
 from llama_server import build, slots_matched, tool  # noqa: E402
 from load_models import SHAPES, model_file  # noqa: E402
+from moe_files import SPECS as MOE_SPECS  # noqa: E402
+from moe_files import moe_file  # noqa: E402
 from serve_bench import WORDS, make_requests, run_level, summary  # noqa: E402
 
 from models import DEFAULT_MODEL  # noqa: E402
@@ -153,6 +155,8 @@ def compared_file(spec: str) -> Path:
     own = fetch(DEFAULT_MODEL, quiet=True)
     if spec == "Q4_1":
         return own
+    if spec in MOE_SPECS:
+        return moe_file(spec)
     if spec.split("-")[0] in SHAPES:
         size, fmt = spec.split("-", 1)
         return model_file(size, fmt)
@@ -180,7 +184,8 @@ def main() -> int:
     ap.add_argument("--serve-args", default="", help="extra arguments for the launched kvserve")
     ap.add_argument("--file", default="Q4_1", help="the GGUF both servers load: SmolLM2-135M's own Q4_1, that model "
                     "requantized by llama-quantize (Q4_0, Q4_K_M, Q8_0, ...), 1b-Q4_K_M / 3b-Q4_K_M (random weights, "
-                    "bench/load_models.py), or a path")
+                    "bench/load_models.py), qwen3-30b-a3b (Q4_K_M) / gpt-oss-20b (MXFP4) (random weights at the real "
+                    "size, bench/moe_files.py), or a path")
     args = ap.parse_args()
     loads = [load for load in args.loads.split(",") if load]
     if unknown := set(loads) - set(LOADS):

@@ -233,6 +233,21 @@ def write_gpt_oss_20b(out: Path, **shrink) -> Path:
     return write_moe_gguf(GPT_OSS_20B, out, **shrink)
 
 
+SUFFIXES = {"qwen3-30b-a3b": "q4_k_m", "gpt-oss-20b": "mxfp4"}
+
+
+def moe_file(name: str) -> Path:
+    """The real-size file of `name` in the cache's bench-models folder, written the first time."""
+    from models.catalog import cache_dir
+
+    out = cache_dir() / "bench-models" / f"{name}-{SUFFIXES[name]}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_moe_gguf(SPECS[name], out.with_suffix(".tmp"))
+        out.with_suffix(".tmp").rename(out)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", choices=sorted(SPECS))
@@ -244,8 +259,7 @@ def main() -> None:
                                        "(Qwen3-Coder.jinja for Qwen3-Coder-30B-A3B's)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    suffix = {"qwen3-30b-a3b": "q4_k_m", "gpt-oss-20b": "mxfp4"}[args.model]
-    out = args.out or Path(f"{args.model}-{suffix}.gguf")
+    out = args.out or Path(f"{args.model}-{SUFFIXES[args.model]}.gguf")
     started = time.perf_counter()
     write_moe_gguf(SPECS[args.model], out, layers=args.layers, experts=args.experts, vocab=args.vocab,
                    template=args.template, seed=args.seed)

@@ -12,7 +12,7 @@ from .block_quant import BLOCK, to_panels
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .formats import FLOAT_TYPES, FORMATS
-from .formats.panels import INT8_ACTIVATIONS, KINDS, panel_count
+from .formats.panels import INT8_ACTIVATIONS, KINDS, PANEL, PANEL_GROUP, panel_count
 from .moe import FLOAT, SparseMoE
 from .stored import StoredTensor
 from .weight_memory import empty_weight
@@ -79,6 +79,9 @@ def _stored_panels(w: StoredTensor) -> tuple[torch.Tensor, int]:
     kind = KINDS[FORMATS[w.type].kind_name]
     e, n, k = w.shape
     out = empty_weight((e, panel_count(n), k // kind.unit, kind.bytes))
+    if n % (PANEL * PANEL_GROUP) == 0:  # no padding rows: the experts' panels follow each other as their rows do
+        dataclasses.replace(w, shape=(e * n, k)).panels(out.view(-1, *out.shape[2:]))
+        return out, kind.id
     for i in range(e):
         expert_view(w, i).panels(out[i])
     return out, kind.id

@@ -43,7 +43,7 @@ ACTIVATIONS = ("int8", "int16")
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
 FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}  # torch.float16 -> "F16"
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp",
-                                                                  "compiled_package.cpp")]
+                                                                  "compiled_package.cpp", "repack.cpp")]
 
 
 def _packed(weight: torch.Tensor):

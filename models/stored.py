@@ -57,18 +57,25 @@ class StoredTensor:
                 f"tensor {self.name} is {self.type}, which kvserve has no kernel for (it serves "
                 f"{', '.join([*FORMATS, *FLOAT_TYPES])}); pass --weights q4_0, q8_0 or f16 to requantize it")
 
-    def _pread(self, r0: int, r1: int) -> torch.Tensor:
+    def _pread(self, r0: int, r1: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows r0..r1's bytes read straight into `into`'s first bytes (a buffer reused across reads) or a
+        new tensor."""
         n = (r1 - r0) * self.row_bytes
+        buf = torch.empty(n, dtype=torch.uint8) if into is None else into[:n]
+        view, done = buf.numpy(), 0
         with open(self.path, "rb", buffering=0) as f:
-            data = os.pread(f.fileno(), n, self.offset + r0 * self.row_bytes)
-        if len(data) != n:
-            raise ModelLoadError(f"{self.path}: truncated (tensor {self.name} ends past the end of the file)")
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).reshape(r1 - r0, self.row_bytes)
+            while done < n:  # one read returns at most about 2 GiB
+                got = os.preadv(f.fileno(), [view[done:]], self.offset + r0 * self.row_bytes + done)
+                if got <= 0:
+                    raise ModelLoadError(f"{self.path}: truncated (tensor {self.name} ends past the end of the file)")
+                done += got
+        return buf.view(r1 - r0, self.row_bytes)
 
-    def read_rows(self, r0: int, r1: int) -> torch.Tensor:
-        """Rows r0..r1 as stored bytes [r1 - r0, row bytes] uint8, un-permuted if `heads`."""
+    def read_rows(self, r0: int, r1: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows r0..r1 as stored bytes [r1 - r0, row bytes] uint8, un-permuted if `heads`; read into `into`
+        (at least their bytes, uint8) if given, unless un-permuted."""
         if not self.heads:
-            return self._pread(r0, r1)
+            return self._pread(r0, r1, into)
         d = self.rows // self.heads  # rows a head
         h0, h1 = r0 // d, -(-r1 // d)
         raw = unpermute_qk(self._pread(h0 * d, h1 * d), h1 - h0)  # a row's bytes move with it
@@ -97,9 +104,13 @@ class StoredTensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
     def panels(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor repacked as its format's panels, chunk by chunk (into `out` if given)."""
+        """The tensor repacked as its format's panels, chunk by chunk (into `out` if given), each chunk
+        read into one buffer."""
+        fmt = FORMATS[self.type]
+        step = fmt.chunk_rows(self.row_bytes)
+        buffer = torch.empty(min(step, self.rows) * self.row_bytes, dtype=torch.uint8)
         with self._reading():
-            return FORMATS[self.type].panels(self.read_rows, self.rows, out)
+            return fmt.panels(lambda r0, r1: self.read_rows(r0, r1, buffer), self.rows, out, step)
 
     @contextlib.contextmanager
     def _reading(self):

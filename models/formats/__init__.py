@@ -2,15 +2,18 @@
 panel kind it is repacked into for the CPU (panels.py), losslessly. One file a format; this is the table."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .panels import KINDS, PanelKind, pack, panel_count
+from .panels import KINDS, PANEL, PANEL_GROUP, PanelKind, pack, panel_count
 
-# rows repacked at a time: bounds the load's transient memory to a few MB a tensor
+# rows repacked at a time in Python: bounds the load's transient memory to a few MB a tensor
 CHUNK_ROWS = 1024
+# bytes of rows repacked at a time natively: few calls and reads, and transient memory still bounded
+NATIVE_CHUNK_BYTES = 32 << 20
 # the float types a file may store a weight in, served by the float kernels as they are
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -19,12 +22,23 @@ class CorruptBlock(ValueError):
     """A block's scale is not a finite number: the file is damaged."""
 
 
+DAMAGED = "a block holds a scale that is not a finite number"
+
+
+@functools.cache
+def native_repack() -> bool:
+    """Whether the kernels (kernels/repack.cpp among them) load here; else the repack runs in Python."""
+    from ..quant import model_kernels_available
+
+    return model_kernels_available()
+
+
 def halves(raw: torch.Tensor, at: int) -> torch.Tensor:
     """The fp16 field at byte `at` of each block: raw [R, nb, bytes] -> [R, nb] float16, all finite."""
     values = raw[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1)
     # an fp16 is infinite or NaN when its exponent bits are all ones
     if bool(((values.view(torch.int16) & 0x7C00) == 0x7C00).any()):
-        raise CorruptBlock("a block holds a scale that is not a finite number")
+        raise CorruptBlock(DAMAGED)
     return values
 
 
@@ -62,15 +76,40 @@ class BlockFormat:
     def _decoded(self, raw: torch.Tensor) -> Decoded:
         return self.decode(raw.reshape(raw.shape[0], -1, self.bytes))
 
-    def panels(self, read_rows: Callable[[int, int], torch.Tensor], n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The n-row weight whose raw rows read_rows(r0, r1) gives -> panels, chunk by chunk (into `out` if given)."""
-        for r0 in range(0, n, CHUNK_ROWS):  # CHUNK_ROWS fills whole panel groups
-            r1 = min(n, r0 + CHUNK_ROWS)
-            q, fields = self._decoded(read_rows(r0, r1))
+    def units(self, row_bytes: int) -> int:
+        """A row's panel units."""
+        return row_bytes // self.bytes * self.block // self.kind.unit
+
+    def chunk_rows(self, row_bytes: int) -> int:
+        """Rows repacked at a time, whole panel groups: about NATIVE_CHUNK_BYTES natively, else CHUNK_ROWS."""
+        if not native_repack():
+            return CHUNK_ROWS
+        group = PANEL * PANEL_GROUP
+        return max(group, NATIVE_CHUNK_BYTES // row_bytes // group * group)
+
+    def panels(self, read_rows: Callable[[int, int], torch.Tensor], n: int, out: torch.Tensor | None = None,
+               chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+        """The n-row weight whose raw rows read_rows(r0, r1) gives -> panels, chunk_rows (whole panel
+        groups) at a time (into `out` if given): natively where the kernels are, else in Python."""
+        assert chunk_rows % (PANEL * PANEL_GROUP) == 0, "chunks fill whole panel groups"
+        repack = self.repack if native_repack() else self.repack_python
+        for r0 in range(0, n, chunk_rows):
+            r1 = min(n, r0 + chunk_rows)
+            raw = read_rows(r0, r1)
             if out is None:
-                out = torch.empty(panel_count(n), q.shape[1] // self.kind.sub, self.kind.bytes, dtype=torch.uint8)
-            pack(q, fields, self.kind, out[r0 // 8 : r0 // 8 + panel_count(r1 - r0)])
+                out = torch.empty(panel_count(n), self.units(raw.shape[1]), self.kind.bytes, dtype=torch.uint8)
+            repack(raw, out[r0 // 8 : r0 // 8 + panel_count(r1 - r0)])
         return out
+
+    def repack(self, raw: torch.Tensor, out: torch.Tensor) -> None:
+        """Raw rows [R, row bytes] -> their panels, into `out` [panel_count(R), units, bytes] (kernels/repack.cpp)."""
+        if torch.ops.kvserve_native.repack_blocks(raw, self.name, out):
+            raise CorruptBlock(DAMAGED)
+
+    def repack_python(self, raw: torch.Tensor, out: torch.Tensor) -> None:
+        """repack's reference: decode, then pack."""
+        q, fields = self._decoded(raw)
+        pack(q, fields, self.kind, out)
 
     def dequantize(self, raw: torch.Tensor) -> torch.Tensor:
         """raw rows [R, row bytes] -> the weight [R, K] float32."""

@@ -8,7 +8,9 @@ code. A final assistant message is a prefill: the reply continues it.
 
 `thinking` switches the template's thinking on or off (Qwen3's enable_thinking; off when absent, as Claude
 does not think unless asked), and a reply's think block comes back as a thinking block before its text.
-An earlier turn's thinking blocks go back into the chat as that turn's reasoning.
+An earlier turn's thinking blocks go back into the chat as that turn's reasoning. gpt-oss always reasons: its
+effort is output_config.effort, or else the thinking budget's size (under 4096 tokens low, under 16384
+medium, else high), and its reasoning is a thinking block only where thinking was asked for.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ..errors import InvalidRequest
 from . import anthropic_checks, chat_render, chat_template, generation, tools
 from .anthropic_schemas import (ERROR_RESPONSES, CountTokensRequest, MediaBlock, Message, MessagesRequest,
                                 RedactedThinkingBlock, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock)
-from .anthropic_stream import MessageStream, matched_stop, message, signature, stop_reason, tool_use_id, usage
+from .anthropic_stream import MessageStream, ending, message, signature, tool_use_id, usage
 from .anthropic_stream import error_body  # noqa: F401  (app.py renders errors under PREFIX with it)
 from .reply import ReplyReader
 from .schemas import ChatCompletionRequest
@@ -125,7 +127,18 @@ def render(http: HttpRequest, body: CountTokensRequest) -> tuple[ChatCompletionR
             "any", "tool"):  # Anthropic's rule: a forced call leaves no room to think first
         raise InvalidRequest("Thinking may not be enabled when tool_choice forces tool use.", param="tool_choice")
     chat = chat_request(body)
+    effort = _effort(body)
+    if effort is not None and chat_template.EFFORT in (tok.meta.chat_template or ""):
+        chat = chat.model_copy(update={"reasoning_effort": effort})
     return chat, chat_render.render_chat(tok, chat, prefill=True)
+
+
+def _effort(body: CountTokensRequest) -> str | None:
+    config = getattr(body, "output_config", None)
+    if config is not None and config.effort is not None:
+        return config.effort
+    budget = body.thinking.budget_tokens if body.thinking is not None else None
+    return None if budget is None else "low" if budget < 4096 else "medium" if budget < 16384 else "high"
 
 
 def _grammar(grammars: Grammars, forced: list[dict] | None, parallel: bool, output: tuple | None) -> str | None:
@@ -185,8 +198,7 @@ async def messages(body: MessagesRequest, http: HttpRequest):
     text, calls = reply.content, reply.calls
     content = _thinking(body, reply.reasoning) + ([{"type": "text", "text": text}] if text else [])
     content += [_tool_use(c) for c in calls]
-    reason = stop_reason(f.reason, len(calls))
-    stop = matched_stop(generation.engine_of(http).tokenizer, req, f) if reason == "stop_sequence" else None
+    reason, stop = ending(generation.engine_of(http).tokenizer, req, f, len(calls), reader)
     return message(http, content, reason, stop, usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens))
 
 

@@ -44,6 +44,16 @@ def stop_reason(reason: str, complete_calls: int) -> str:
     return "tool_use" if complete_calls and reason not in ("length", "cancelled", "timeout") else STOP_REASONS[reason]
 
 
+def ending(tokenizer, req: Sequence, f: Finished, complete_calls: int, reader: ReplyReader) -> tuple[str, str | None]:
+    """The reply's stop reason and the stop sequence that ended it, if one did. A stop its format added (the
+    markers that end a gpt-oss reply, where they are no EOS token) is its end of turn, not the client's stop."""
+    reason = stop_reason(f.reason, complete_calls)
+    stop = matched_stop(tokenizer, req, f) if reason == "stop_sequence" else None
+    if reader.channels and stop in reader.format.ends:
+        return "end_turn", None
+    return reason, stop
+
+
 def matched_stop(tokenizer, req: Sequence, f: Finished) -> str | None:
     """Which stop sequence ended the reply: the output was cut just before it, and the request's tokens
     still hold it (the token that completed it is kept)."""
@@ -88,7 +98,7 @@ class MessageStream:
 
     def __init__(self, http: HttpRequest, req: Sequence, reader: ReplyReader, thinking: ThinkingConfig | None) -> None:
         self.http, self.req = http, req
-        self.reply = reader.stream()
+        self.reader, self.reply = reader, reader.stream()
         self.shows_thinking = thinking is not None and thinking.on  # asked for: else a think block is dropped
         self.omits_thinking = thinking is not None and thinking.display == "omitted"
         self.thought = ""  # the open thinking block's thinking, for its signature
@@ -123,8 +133,7 @@ class MessageStream:
         reasoning, content, deltas = self.reply.finish()
         out += self._thinking(reasoning) + self._text(content) + self._tools(deltas)
         out += self._close()
-        reason = stop_reason(f.reason, self.reply.complete)
-        stop = matched_stop(self.http.app.state.engine.tokenizer, self.req, f) if reason == "stop_sequence" else None
+        reason, stop = ending(self.http.app.state.engine.tokenizer, self.req, f, self.reply.complete, self.reader)
         out.append(event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop},
                                            "usage": usage(f.prompt_tokens, f.cached_tokens, f.completion_tokens)}))
         out.append(event("message_stop", {}))

@@ -29,8 +29,10 @@ def render_chat(tok: TextTokenizer, body: ChatCompletionRequest | TokenizeReques
     fmt = tool_formats.format_for(tok.meta.chat_template)
     messages, template_tools = tools.chat_messages(body, tok.template_has_tools, fmt.history)
     start = messages.pop()["content"] if prefill and messages[-1]["role"] == "assistant" else ""
-    text = chat_template.render(tok, messages, body.add_generation_prompt, template_tools,
-                                body.chat_template_kwargs) + start
+    # the request's own template variables win over those its reasoning effort makes
+    variables = {**(chat_template.effort_variables(tok, body.reasoning_effort, "reasoning_effort") or {}),
+                 **(body.chat_template_kwargs or {})}
+    text = chat_template.render(tok, messages, body.add_generation_prompt, template_tools, variables or None) + start
     forced = tools.offers_tools(body) and body.tool_choice not in (None, "auto")
     thinks = chat_template.thinks(tok)
     reader = ReplyReader(thinks=thinks, opened=thinks and opens_thought(text), names=tools.offered_functions(body),
@@ -41,4 +43,5 @@ def render_chat(tok: TextTokenizer, body: ChatCompletionRequest | TokenizeReques
 def prompt_reader(tok: TextTokenizer, prompt: str) -> ReplyReader:
     """How to read the reply to a prompt rendered without tools (Ollama's /api/generate)."""
     thinks = chat_template.thinks(tok)
-    return ReplyReader(thinks=thinks, opened=thinks and opens_thought(prompt))
+    return ReplyReader(thinks=thinks, opened=thinks and opens_thought(prompt),
+                       format=tool_formats.format_for(tok.meta.chat_template))

@@ -58,9 +58,13 @@ def _grammar(http: HttpRequest, body, tools_offered: bool) -> str | None:
 
 
 def _template_variables(http: HttpRequest, body) -> dict | None:
-    """`think` as the template's switch (a level, gpt-oss's, is thinking on); None leaves the template's default."""
-    if body.think not in (None, False) and not chat_template.thinks(generation.engine_of(http).tokenizer):
+    """`think` as the template's switch, a level as its reasoning effort (gpt-oss's; another template's switch
+    on); None leaves the template's default, and so do true and false for gpt-oss, which always reasons."""
+    tok = generation.engine_of(http).tokenizer
+    if body.think not in (None, False) and not chat_template.thinks(tok):
         raise InvalidRequest(f"{cut(body.model)!r} does not support thinking", param="think")
+    if isinstance(body.think, str):
+        return chat_template.effort_variables(tok, body.think, "think")
     return None if body.think is None else {"enable_thinking": body.think is not False}
 
 

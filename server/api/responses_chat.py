@@ -1,5 +1,5 @@
 """The chat completion a Responses request amounts to: its conversation as chat messages, its tools, its
-text format and its reasoning switch."""
+text format and its reasoning effort."""
 from __future__ import annotations
 
 from pydantic import ValidationError
@@ -15,14 +15,15 @@ def reasoning_text(item: dict) -> str:
     return "\n\n".join(p["text"] for p in parts)
 
 
-def template_variables(body: ResponseRequest, thinks: bool) -> dict | None:
-    """reasoning.effort as the template's thinking switch (none: off); unset, the template's default. An
-    effort for a model that does not think is refused, as OpenAI refuses it for its models that do not."""
+def effort(body: ResponseRequest, thinks: bool) -> str | None:
+    """reasoning.effort, which the chat's rendering makes the template's variable (chat_template.py): unset,
+    the template's default. An effort for a model that does not think is refused, as OpenAI refuses it for
+    its models that do not."""
     effort = body.reasoning.effort if body.reasoning is not None else None
     if effort not in (None, "none") and not thinks:
         raise InvalidRequest("'reasoning' is not supported with this model: its chat template has no thinking "
                              "(reasoning.effort)", param="reasoning.effort")
-    return None if effort is None else {"enable_thinking": effort != "none"}
+    return effort
 
 
 def _messages(body: ResponseRequest, conversation: list[dict]) -> list[dict]:
@@ -73,6 +74,6 @@ def chat_request(body: ResponseRequest, conversation: list[dict], thinks: bool) 
         return ChatCompletionRequest(messages=messages, tools=functions or None, tool_choice=choice,
                                      parallel_tool_calls=body.parallel_tool_calls, response_format=response_format,
                                      temperature=body.temperature, top_p=body.top_p,
-                                     chat_template_kwargs=template_variables(body, thinks))
+                                     reasoning_effort=effort(body, thinks))
     except ValidationError as e:
         raise InvalidRequest(f"the conversation is not a valid chat: {e.errors()[0]['msg']}", param="input") from None

@@ -44,6 +44,8 @@ def _prompt_shape(value: Any) -> Any:
 
 StopList = Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_STOP_STRINGS)]
 # vLLM's chat_template_kwargs: more variables for the chat template (Qwen3's enable_thinking, ...)
+# OpenAI's reasoning effort: the template's reasoning_effort (gpt-oss's) or thinking switch (chat_template.py)
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 TemplateVariables = Annotated[dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Any], Field(max_length=64)]
 
 
@@ -57,7 +59,7 @@ NEUTRAL_FIELDS = {"no_stop_trim": False, "continue_final_message": False, "skip_
 # Fields other servers honour that would change the output and kvserve does not implement: refused by name.
 UNSUPPORTED_FIELDS = frozenset({
     "best_of", "suffix", "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-    "reasoning_effort", "use_beam_search", "length_penalty", "guided_whitespace_pattern", "structural_tag",
+    "use_beam_search", "length_penalty", "guided_whitespace_pattern", "structural_tag",
 })
 
 
@@ -273,6 +275,7 @@ class ChatCompletionRequest(_OpenAISampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: TemplateVariables | None = None
+    reasoning_effort: Effort | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -5,7 +5,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from .schemas import ChatMessage, NamedToolChoice, TemplateVariables, Tool, _Body
+from .schemas import ChatMessage, Effort, NamedToolChoice, TemplateVariables, Tool, _Body
 
 
 class _UtilityBody(_Body):
@@ -30,6 +30,7 @@ class TokenizeRequest(_UtilityBody):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # "none" renders no tools
     chat_template_kwargs: TemplateVariables | None = None  # as the chat route takes them
+    reasoning_effort: Effort | None = None  # as the chat route takes it
     # None: the prompt gets the model's special tokens (vLLM), llama-server's content and chat messages not
     add_special_tokens: bool | None = None
     add_special: bool | None = None  # llama-server's name

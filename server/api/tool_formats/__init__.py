@@ -5,7 +5,7 @@ the tools described in the Hermes format (tools.py), so its replies are read in 
 """
 from __future__ import annotations
 
-from . import hermes, llama3_json, mistral, qwen3_coder
+from . import harmony, hermes, llama3_json, mistral, qwen3_coder
 from .base import ToolFormat
 
 # (text one of which the template holds, the format its model writes): the first that matches wins
@@ -19,7 +19,10 @@ TABLE: tuple[tuple[tuple[str, ...], ToolFormat], ...] = (
 
 
 def format_for(template: str | None) -> ToolFormat:
-    """The format of the replies of a model with this chat template (Hermes unless the table says otherwise)."""
+    """The format of the replies of a model with this chat template (Hermes unless the table says otherwise).
+    gpt-oss's channels are its replies' format with tools or without: they carry its reasoning too."""
+    if template and harmony.CHANNEL in template:
+        return harmony.FORMAT
     if not template or "tools" not in template:
         return hermes.FORMAT
     return next((fmt for markers, fmt in TABLE if any(m in template for m in markers)), hermes.FORMAT)

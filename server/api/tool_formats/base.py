@@ -22,6 +22,19 @@ class CallStream(Protocol):
     def finish(self) -> tuple[str, list[dict]]: ...
 
 
+class ChannelStream(Protocol):
+    """A streamed reply whose reasoning, content and calls are read together (gpt-oss's channels):
+    feed(text) and finish() give (reasoning, content, OpenAI call deltas)."""
+
+    calls: int
+    complete: int
+    reasoning_pieces: int  # pieces fed up to the last that was reasoning
+
+    def feed(self, text: str) -> tuple[str, str, list[dict]]: ...
+
+    def finish(self) -> tuple[str, str, list[dict]]: ...
+
+
 # the functions a reply may call: each one's parameters schema by its name (a format that types the
 # arguments it reads, such as Qwen3-Coder's, reads the schemas; the others only the names)
 Offered = Mapping[str, Any]
@@ -37,6 +50,10 @@ class ToolFormat:
     # its markers are control tokens in its models' vocabularies: a reply offered tools keeps special tokens
     # in its text, or they would vanish from it
     keeps_special_tokens: bool = False
+    # a format whose replies are channels (harmony): reasoning, content and calls read by one stream, not
+    # through think blocks; its markers stay in every reply's text, tools offered or not
+    channels: Callable[[Offered], ChannelStream] | None = None
+    ends: tuple[str, ...] = ()  # a channels format's markers that end generation: stop strings too, where not EOS
 
 
 def openai_call(name: str, arguments: Any) -> dict:

@@ -40,7 +40,6 @@ ENDS = (END, CALL, RETURN, START)  # what closes a body (a new message's start c
 LAST = (CALL, RETURN)  # ...and ends the reply
 HEADER_MAX = 256  # a longer header is no header: its text is content
 _HEADER_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.=: ")
-_CONTENT_CHANNELS = ("final", "commentary")
 SEPARATOR = "\n\n"
 
 
@@ -136,8 +135,9 @@ class HarmonyStream:
 
     def _open(self, channel: str | None, recipient: str | None) -> None:
         self.mode, self.begun = "body", False
-        if recipient is not None and recipient.startswith("functions.") and recipient[len("functions."):] in self.functions:
-            self.kind, self.name = "call", recipient[len("functions."):]
+        name = recipient[len("functions."):] if recipient is not None and recipient.startswith("functions.") else None
+        if name is not None and name in self.functions:
+            self.kind, self.name = "call", name
             self.calls += 1
         elif recipient is not None and recipient != "assistant" or channel == "analysis":
             self.kind = "reasoning"

@@ -135,7 +135,7 @@ def assign_experts(model: nn.Module, experts: dict[str, Weight], weights: str, a
             kinds.append(kind | INT8_ACTIVATIONS if kind != FLOAT and activations == "int8" else kind)
             sources.append(source)
         e.kinds, e.sources = tuple(kinds), tuple(sources)
-        for part, expected in zip(BIASES, e.biases()):
+        for part, expected in zip(BIASES, e.biases() if e.bias else []):
             b = experts.pop(f"{name}.experts.{part}", None)
             if b is None or tuple(b.shape) != tuple(expected.shape):
                 raise ModelLoadError(f"weight {name}.experts.{part} is missing or not of shape {tuple(expected.shape)}")

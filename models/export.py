@@ -260,11 +260,11 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
     trust.trust(hashes[PROGRAM_FILE])
 
 
-def saved_program(folder: Path, meta: dict, values: bool = True) -> torch.nn.Module:
+def saved_program(folder: Path, meta: dict, values: bool = True, small: int = 0) -> torch.nn.Module:
     """The saved program: fx's source, run as the forward of a module that holds the saved weights (or,
-    without `values`, untouched buffers of their shapes)."""
+    without `values`, untouched buffers of their shapes but for those of at most `small` bytes)."""
     root = torch.nn.Module()
-    tensors = read_safetensors(folder / WEIGHTS_FILE, values)
+    tensors = read_safetensors(folder / WEIGHTS_FILE, values, small)
     tensors.update({a: tensors[c] for a, c in meta["aliases"].items()})
     for attr, tensor in tensors.items():
         root.register_buffer(attr, tensor)

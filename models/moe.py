@@ -8,12 +8,14 @@ expert once over all the rows that chose it: a step reads an expert's weights on
 its rows. Each product is row by row, and a row sums its experts' weighted outputs in the router's order
 (as llama.cpp does), so a row's output never depends on what else shares its step: speculation relies on it.
 
-Op contract, kvserve::moe_experts(x, logits, top_k, routing, weights, ns, kinds, biases, swiglu_limit, swiglu_alpha):
+Op contract, kvserve::moe_experts(x, logits, top_k, routing, weights, ns, kinds, gate_bias, up_bias, down_bias,
+                                  swiglu_limit, swiglu_alpha):
     x [n, C], logits [n, E]
     weights  gate [E, F, C], up [E, F, C], down [E, C, F]: float (kind FLOAT, f32, f16 or bf16), or each
              expert's panels [E, P, K/unit, bytes] uint8 of a block kind (its panels.KINDS id, maybe with
              INT8_ACTIVATIONS); ns their output features (F, F, C)
-    biases   [] or gate [E, F], up [E, F], down [E, C] float32 (gpt-oss)
+    biases   None, or gate [E, F], up [E, F], down [E, C] float32 (gpt-oss): three optional tensors, not a
+             list, as AOTInductor's proxy executor passes an empty list as None
     swiglu_limit 0: silu(gate) * up; > 0: gpt-oss's clamped form, (up + 1) * gate * sigmoid(alpha * gate)
              with gate clamped above and up both ways at the limit
     -> [n, C] in x's dtype (computed in float32)
@@ -66,8 +68,8 @@ def _activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
 
 @torch.library.custom_op("kvserve::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int, weights: list[torch.Tensor],
-                ns: list[int], kinds: list[int], biases: list[torch.Tensor], swiglu_limit: float,
-                swiglu_alpha: float) -> torch.Tensor:
+                ns: list[int], kinds: list[int], gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
+                down_bias: torch.Tensor | None, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
     gate, up, down = weights
     dtype, x = x.dtype, x.float()
     ids, route_weights = route(logits, top_k, routing)  # [n, k] each
@@ -84,12 +86,12 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int,
         rows = chosen // top_k  # [m]
         xe = x.index_select(0, rows)  # [m, C]
         gate_up = _products(xe, [gate[e], up[e]], ns[:2], kinds[:2])  # [m, 2F]
-        if biases:
-            gate_up = gate_up + torch.cat([biases[0][e], biases[1][e]])
+        if gate_bias is not None:
+            gate_up = gate_up + torch.cat([gate_bias[e], up_bias[e]])
         h = _activation(*gate_up.split(ns[:2], dim=-1), swiglu_limit, swiglu_alpha)  # [m, F]
         y = _products(h, [down[e]], ns[2:], kinds[2:])  # [m, C]
-        if biases:
-            y = y + biases[2][e]
+        if down_bias is not None:
+            y = y + down_bias[e]
         picked.index_copy_(0, chosen, y * route_weights.reshape(-1)[chosen].unsqueeze(1))
     picked = picked.view(x.shape[0], top_k, x.shape[1])  # [n, k, C]
     out = picked[:, 0]
@@ -99,7 +101,7 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int,
 
 
 @moe_experts.register_fake
-def _(x, logits, top_k, routing, weights, ns, kinds, biases, swiglu_limit, swiglu_alpha):
+def _(x, logits, top_k, routing, weights, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit, swiglu_alpha):
     return x.new_empty(x.shape)
 
 
@@ -124,8 +126,8 @@ class Experts(nn.Module):
     def weights(self) -> list[torch.Tensor]:
         return [self.gate_proj, self.up_proj, self.down_proj]
 
-    def biases(self) -> list[torch.Tensor]:
-        return [self.gate_bias, self.up_bias, self.down_bias] if self.bias else []
+    def biases(self) -> list[torch.Tensor | None]:
+        return [self.gate_bias, self.up_bias, self.down_bias] if self.bias else [None, None, None]
 
     def held_blocks(self) -> list[tuple[torch.Tensor, str]]:
         """The weights held as panels, each with the file's type it came as (quant.held_types counts them)."""
@@ -148,5 +150,5 @@ class SparseMoE(nn.Module):
         logits = self.router(x)[0]  # [n, E]
         e = self.experts
         y = torch.ops.kvserve.moe_experts(x[0], logits, self.top_k, self.routing, e.weights(), list(e.ns), list(e.kinds),
-                                          e.biases(), self.swiglu_limit, self.swiglu_alpha)  # [n, C]
+                                          *e.biases(), self.swiglu_limit, self.swiglu_alpha)  # [n, C]
         return y.unsqueeze(0)

@@ -52,10 +52,11 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
                       "BOOL": torch.bool}
 
 
-def read_safetensors(path: Path, values: bool = True) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, values: bool = True, small: int = 0) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors, each read straight into its own empty_weight buffer: the file is never
-    mapped, so a load holds the weights once. Without `values`, the buffers are left unread and untouched:
-    shapes for a compiler, which never reads a value (compiled_program.py)."""
+    mapped, so a load holds the weights once. Without `values`, the buffers of more than `small` bytes are
+    left unread and untouched: shapes for a compiler (compiled_program.py), which reads at most the values
+    of a few small tensors."""
     with open(path, "rb", buffering=0) as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
@@ -66,7 +67,7 @@ def read_safetensors(path: Path, values: bool = True) -> dict[str, torch.Tensor]
                 continue
             begin, end = info["data_offsets"]
             out = empty_weight(tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]])
-            view = out.view(-1).view(torch.uint8).numpy() if out.numel() and values else None
+            view = out.view(-1).view(torch.uint8).numpy() if out.numel() and (values or end - begin <= small) else None
             if view is not None and os.preadv(f.fileno(), [view], base + begin) != end - begin:
                 raise OSError(f"{path}: tensor {name} ends past the end of the file")
             tensors[name] = out

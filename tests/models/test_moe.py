@@ -185,3 +185,32 @@ def test_moe_metadata_is_read_and_checked():
         from_gguf_metadata({k: v for k, v in meta.items() if k != "qwen3moe.expert_used_count"}, True)
     with pytest.raises(UnsupportedModel, match="experts used"):
         from_gguf_metadata({**meta, "qwen3moe.expert_used_count": 9}, True)
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_the_compiled_package_of_a_moe_program_computes_the_same_bits(moe_folders, tmp_path):
+    """AOTInductor's package calls the expert op (a Python op) through its proxy executor, as the program does."""
+    from models.compiled_program import PACKAGE_FILE, compile_package
+
+    eager = build_and_save(moe_folders["gpt-oss"], tmp_path / "artifact")
+    compile_package(eager.forward.module, eager.config.max_context, eager.folder)
+    compiled = load_model(str(eager.folder))
+    assert compiled.forward.compiled and (eager.folder / PACKAGE_FILE).is_file()
+    ids = eager.tokenizer.encode(PROMPT)
+    outs = []
+    for model in (eager, compiled):
+        with Session(model.config) as session, torch.no_grad():
+            outs.append(run_prompt(session.committing(model.forward), model.config, ids, [5, len(ids) - 5], all_logits=True))
+    assert torch.equal(*outs)
+    assert greedy(eager.forward, eager.config, ids, 12) == greedy(compiled.forward, compiled.config, ids, 12)
+
+
+def build_and_save(folder, out):
+    """The folder exported as stored into an artifact at `out`, loaded back as program.py."""
+    from models.export import export_program, save_artifact
+
+    config, state, tokenizer = read_hf(folder)
+    model = build_model(config, state, torch.float32, weights="q8_0")
+    save_artifact(out, export_program(model), config, tokenizer, torch.float32, name="gpt-oss", weights="q8_0")
+    return load_model(str(out), compiled=False)

@@ -5,16 +5,12 @@ models.tokenizer.TextTokenizer renders its meta's `extra` as template variables 
 request's variables make a tokenizer whose `extra` holds them too, kept for the next request that sends the
 same ones (there are few: usually enable_thinking true or false). A request's reasoning effort becomes the
 variable the template reads: gpt-oss's reasoning_effort, or a thinking switch.
-
-transformers gives templates `strftime_now` (gpt-oss's writes the date into its system message): a template
-that names it gets it here too.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-from datetime import datetime
 from typing import Any
 
 from jinja2.defaults import DEFAULT_NAMESPACE
@@ -61,8 +57,6 @@ def render(tok: TextTokenizer, messages: list[dict], add_generation_prompt: bool
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: the server sets "
                                  "it", param="chat_template_kwargs")
         tok = _with_variables(tok, json.dumps(variables, sort_keys=True))
-    if "strftime_now" in (tok.meta.chat_template or "") and "strftime_now" not in tok.meta.extra:
-        tok = _with_clock(tok)
     try:
         return tok.apply_chat_template(messages, add_generation_prompt, tools)
     except ChatTemplateError as e:
@@ -74,8 +68,3 @@ def _with_variables(tok: TextTokenizer, variables: str) -> TextTokenizer:
     extra = {**tok.meta.extra, **json.loads(variables)}
     return TextTokenizer(tok.tokenizer, dataclasses.replace(tok.meta, extra=extra))
 
-
-@functools.lru_cache(maxsize=32)
-def _with_clock(tok: TextTokenizer) -> TextTokenizer:
-    extra = {**tok.meta.extra, "strftime_now": lambda fmt: datetime.now().strftime(fmt)}
-    return TextTokenizer(tok.tokenizer, dataclasses.replace(tok.meta, extra=extra))

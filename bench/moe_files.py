@@ -23,9 +23,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-from moe_vocab import GPT_OSS_SPECIALS, QWEN3_SPECIALS, add_vocabulary  # noqa: E402
-from random_blocks import TensorPlan, add_tensor_infos, write_tensor_data  # noqa: E402
+# bench/ on the path only while its siblings import: importers of this module (tests) would otherwise find
+# bench/kernels.py where transformers looks for the `kernels` package
+_BENCH = str(ROOT / "bench")
+_added = _BENCH not in sys.path
+if _added:
+    sys.path.insert(0, _BENCH)
+try:
+    from moe_vocab import GPT_OSS_SPECIALS, QWEN3_SPECIALS, add_vocabulary  # noqa: E402
+    from random_blocks import TensorPlan, add_tensor_infos, write_tensor_data  # noqa: E402
+finally:
+    if _added:
+        sys.path.remove(_BENCH)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from kvcache import step as steps
 from kvcache.step import ActiveStep
 
 from .test_native_attention import clone, make_caches
-from .test_windowed_attention import needs_native
+from .test_windowed_attention import needs_native, reference
 from .tiny_attention import TinyAttention, positions
 
 LAYERS = 2
@@ -20,32 +20,6 @@ def sink_logits(heads: int) -> torch.Tensor:
     sinks = torch.randn(heads) * 2
     sinks[0], sinks[-1] = 6.0, -30.0
     return sinks
-
-
-def reference(caches, sizes, q, k, v, layer, scale, window, sinks, softcap=0.0):
-    """What each span's tokens see, from the caches as they were before the step -> [1, H_q, S, D_v] float32."""
-    outs, at = [], 0
-    for cache, n in zip(caches, sizes):
-        old_k, old_v = cache.history(layer)  # [H_kv, T, D]
-        dtype = cache.config.dtype  # the step's own k/v are read back as the cache stores them
-        keys = torch.cat((old_k, k[0, :, at : at + n].to(dtype)), dim=1).double()  # [H_kv, T + n, D]
-        values = torch.cat((old_v, v[0, :, at : at + n].to(dtype)), dim=1).double()
-        group = q.shape[1] // keys.shape[0]
-        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H_q, T + n, D]
-        scores = q[0, :, at : at + n].double() @ keys.transpose(1, 2) * scale  # [H_q, n, T + n]
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        total = keys.shape[1]
-        q_pos = torch.arange(total - n, total).unsqueeze(1)
-        k_pos = torch.arange(total).unsqueeze(0)
-        seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # [n, T + n]
-        scores = scores.masked_fill(~seen, float("-inf"))
-        if sinks is not None:
-            scores = torch.cat((scores, sinks.double().view(-1, 1, 1).expand(-1, n, 1)), dim=-1)  # [H_q, n, T + n + 1]
-        weights = scores.softmax(-1)[..., :total]  # the sink's column dropped
-        outs.append((weights @ values).float())
-        at += n
-    return torch.cat(outs, dim=1).unsqueeze(0)
 
 
 def step_outputs(caches, sizes, native, q, k, v, window, sinks, softcap=0.0):
@@ -67,7 +41,7 @@ def check_against_reference(histories, sizes, window, native, softcap=0.0, dtype
     sinks = [sink_logits(q_heads) for _ in range(LAYERS)]
     got = step_outputs(clone(before), sizes, native, q, k, v, window, sinks, softcap)
     for layer in range(LAYERS):
-        want = reference(before, sizes, q[layer], k[layer], v[layer], layer, dim**-0.5, window, sinks[layer], softcap)
+        want = reference(before, sizes, q[layer], k[layer], v[layer], layer, dim**-0.5, window, softcap, sinks[layer])
         torch.testing.assert_close(got[layer], want, **TOLERANCE)
 
 
@@ -125,7 +99,7 @@ def test_sinks_prefilled_in_chunks_then_decoded_match_the_reference_and_each_oth
     for native in (True, False):
         got = attend([0, 17, 40, 57, 58, 59, n], native)
         for layer in range(LAYERS):
-            want = reference([base], [n], q[layer], k[layer], v[layer], layer, 0.125, window, sinks[layer])
+            want = reference([base], [n], q[layer], k[layer], v[layer], layer, 0.125, window, sinks=sinks[layer])
             torch.testing.assert_close(got[layer], want, **TOLERANCE)
             if native:
                 assert torch.equal(got[layer], whole[layer])
@@ -181,7 +155,7 @@ def test_the_op_passes_sinks_to_the_bound_step():
             REGISTRY.uninstall(key)
     assert [e for e in prof.events() if e.name == "kvcache::attend_active_step"] == []
     for layer in range(LAYERS):
-        want = reference(before, sizes, q[layer], k[layer], v[layer], layer, 0.125, 6, sinks[layer])
+        want = reference(before, sizes, q[layer], k[layer], v[layer], layer, 0.125, 6, sinks=sinks[layer])
         torch.testing.assert_close(got[layer], want, **TOLERANCE)
 
 

@@ -17,24 +17,29 @@ def needs_native():
         pytest.skip("no AVX2 CPU or compiler here")
 
 
-def reference(caches, sizes, q, k, v, layer, scale, window, softcap):
-    """What each span's tokens see, from the caches as they were before the step -> [1, H_q, S, D_v] float32."""
+def reference(caches, sizes, q, k, v, layer, scale, window, softcap=0.0, sinks=None):
+    """What each span's tokens see, from the caches as they were before the step -> [1, H_q, S, D_v] float32;
+    `sinks` [H_q]: gpt-oss's sink logits, one more column of each softmax, whose value is nothing."""
     outs, at = [], 0
     for cache, n in zip(caches, sizes):
         old_k, old_v = cache.history(layer)  # [H_kv, T, D]
         dtype = cache.config.dtype  # the step's own k/v are read back as the cache stores them
-        keys = torch.cat((old_k, k[0, :, at : at + n].to(dtype)), dim=1).float()  # [H_kv, T + n, D]
-        values = torch.cat((old_v, v[0, :, at : at + n].to(dtype)), dim=1).float()
+        keys = torch.cat((old_k, k[0, :, at : at + n].to(dtype)), dim=1).double()  # [H_kv, T + n, D]
+        values = torch.cat((old_v, v[0, :, at : at + n].to(dtype)), dim=1).double()
         group = q.shape[1] // keys.shape[0]
         keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H_q, T + n, D]
-        scores = q[0, :, at : at + n].double() @ keys.double().transpose(1, 2) * scale  # [H_q, n, T + n]
+        scores = q[0, :, at : at + n].double() @ keys.transpose(1, 2) * scale  # [H_q, n, T + n]
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
         total = keys.shape[1]
         q_pos = torch.arange(total - n, total).unsqueeze(1)
         k_pos = torch.arange(total).unsqueeze(0)
         seen = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)  # [n, T + n]
-        outs.append((scores.masked_fill(~seen, float("-inf")).softmax(-1) @ values.double()).float())
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.double().view(-1, 1, 1).expand(-1, n, 1)), dim=-1)  # [H_q, n, T + n + 1]
+        weights = scores.softmax(-1)[..., :total]  # the sink's column dropped
+        outs.append((weights @ values).float())
         at += n
     return torch.cat(outs, dim=1).unsqueeze(0)
 

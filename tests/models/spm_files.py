@@ -104,21 +104,16 @@ def llama_server_binary() -> Path | None:
 
 
 @contextlib.contextmanager
-def llama_cpp_tokenizer(binary: Path, gguf: Path):
-    """llama.cpp's tokenizer on `gguf`: a function text, add_special -> ids, through llama-server's /tokenize
-    (special tokens parsed, as kvserve does)."""
+def llama_server_client(binary: Path, gguf: Path, threads: int = 1, extra: tuple[str, ...] = ()):
+    """llama-server on `gguf`, one slot of 512 tokens: an httpx client at its URL, once it is healthy."""
     port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", "1", "-c", "256", "-np", "1"]
+    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), "-c", "512", "-np", "1", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, 120, proc)
-        with httpx.Client(base_url=url, timeout=60) as client:
-            def tokenize(text: str, add_special: bool = False) -> list[int]:
-                body = {"content": text, "add_special": add_special, "parse_special": True}
-                return client.post("/tokenize", json=body).raise_for_status().json()["tokens"]
-
-            yield tokenize
+        with httpx.Client(base_url=url, timeout=120) as client:
+            yield client
     finally:
         proc.terminate()
         try:
@@ -126,6 +121,18 @@ def llama_cpp_tokenizer(binary: Path, gguf: Path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def llama_cpp_tokenizer(binary: Path, gguf: Path):
+    """llama.cpp's tokenizer on `gguf`: a function text, add_special -> ids, through llama-server's /tokenize
+    (special tokens parsed, as kvserve does)."""
+    with llama_server_client(binary, gguf) as client:
+        def tokenize(text: str, add_special: bool = False) -> list[int]:
+            body = {"content": text, "add_special": add_special, "parse_special": True}
+            return client.post("/tokenize", json=body).raise_for_status().json()["tokens"]
+
+        yield tokenize
 
 
 def with_scores(source: Path, out: Path, scores: list[float]) -> Path:
@@ -153,23 +160,10 @@ def with_scores(source: Path, out: Path, scores: list[float]) -> Path:
 def llama_cpp_greedy(binary: Path, gguf: Path):
     """llama.cpp's greedy continuation on `gguf`: a function ids, n -> the n token ids llama-server picks
     after them, one sequence at a time, no prompt cache."""
-    port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", "2", "-c", "512", "-np", "1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 120, proc)
-        with httpx.Client(base_url=url, timeout=120) as client:
-            def greedy(ids: list[int], n: int) -> list[int]:
-                body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
-                        "return_tokens": True, "ignore_eos": True}
-                return client.post("/completion", json=body).raise_for_status().json()["tokens"]
+    with llama_server_client(binary, gguf, threads=2) as client:
+        def greedy(ids: list[int], n: int) -> list[int]:
+            body = {"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "cache_prompt": False,
+                    "return_tokens": True, "ignore_eos": True}
+            return client.post("/completion", json=body).raise_for_status().json()["tokens"]
 
-            yield greedy
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        yield greedy

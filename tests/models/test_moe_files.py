@@ -3,23 +3,25 @@ with gguf-py, their tensors, types, metadata, byte size and tokenizer are the re
 for what needs no writing: the tensor plan and the vocabulary)."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 
 from models.quant import model_kernels_available
-from server.local import free_port, wait_healthy
 
-from .spm_files import llama_server_binary
+from .spm_files import llama_server_binary, llama_server_client
 
 ROOT = Path(__file__).resolve().parents[2]
+# bench/ on the path only while its modules import each other: left there, its kernels.py would stand in
+# for the `kernels` package transformers looks for, in every later test of this process
 sys.path.insert(0, str(ROOT / "bench"))
-import moe_files  # noqa: E402
-import moe_vocab  # noqa: E402
+try:
+    import moe_files
+    import moe_vocab
+finally:
+    sys.path.remove(str(ROOT / "bench"))
 
 QWEN_SHRUNK = dict(layers=2, experts=4, vocab=1024)
 OSS_SHRUNK = dict(layers=2, experts=2, vocab=2048)
@@ -199,31 +201,17 @@ def test_the_real_size_plans_hold_the_published_files_tensor_counts_and_sizes():
 ])
 def test_llama_server_loads_the_file_tokenizes_its_specials_whole_and_generates(written, model, chat_tokens):
     tokens = read(written[model]).fields["tokenizer.ggml.tokens"].contents()
-    port = free_port()
-    cmd = [str(llama_server_binary()), "-m", str(written[model]), "--port", str(port), "-t", "1", "-c", "256",
-           "-np", "1", "--jinja"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, 120, proc)
-        with httpx.Client(base_url=url, timeout=120) as client:
-            body = {"content": "".join(chat_tokens), "parse_special": True}
-            ids = client.post("/tokenize", json=body).raise_for_status().json()["tokens"]
-            assert [tokens[i] for i in ids] == list(chat_tokens)
-            # the chat template renders (a random model's reply fails its format's parser, so generate raw)
-            messages = {"messages": [{"role": "user", "content": "hi"}]}
-            prompt = client.post("/apply-template", json=messages).raise_for_status().json()["prompt"]
-            assert chat_tokens[0] in prompt and "hi" in prompt
-            reply = client.post("/completion", json={"prompt": prompt, "n_predict": 8, "temperature": 0,
-                                                     "ignore_eos": True}).raise_for_status().json()
-            assert reply["tokens_predicted"] == 8
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with llama_server_client(llama_server_binary(), written[model], extra=("--jinja",)) as client:
+        body = {"content": "".join(chat_tokens), "parse_special": True}
+        ids = client.post("/tokenize", json=body).raise_for_status().json()["tokens"]
+        assert [tokens[i] for i in ids] == list(chat_tokens)
+        # the chat template renders (a random model's reply fails its format's parser, so generate raw)
+        messages = {"messages": [{"role": "user", "content": "hi"}]}
+        prompt = client.post("/apply-template", json=messages).raise_for_status().json()["prompt"]
+        assert chat_tokens[0] in prompt and "hi" in prompt
+        reply = client.post("/completion", json={"prompt": prompt, "n_predict": 8, "temperature": 0,
+                                                 "ignore_eos": True}).raise_for_status().json()
+        assert reply["tokens_predicted"] == 8
 
 
 @pytest.mark.skipif(not model_kernels_available(), reason="the C++/AVX2 kernels are unavailable")

@@ -5,7 +5,9 @@ load taken in turns (the order reversed every round), in one window.
     make compare COMPARE_ARGS="--file Q4_K_M"
 
 Both servers load the same file (--file): SmolLM2-135M's own Q4_1, or that model requantized by
-llama-quantize (made once, beside it), or the random-weight 1B/3B files of bench/load_models.py.
+llama-quantize (made once, beside it), the random-weight 1B/3B files of bench/load_models.py, or the
+real-size mixture-of-experts files of bench/moe_files.py (qwen3-30b-a3b, gpt-oss-20b), which two servers
+cannot hold at once in 24 GB: `--one-at-a-time` starts each server in turn, every round.
 --server builds llama-server once (bench/llama_server.py) and runs it with `-t 2 --cont-batching` and, for
 each load, `-np` as many as the load's concurrent requests (3,072 tokens a slot), restarting it between
 loads that differ. The loads, all streamed and greedy:
@@ -17,9 +19,9 @@ loads that differ. The loads, all streamed and greedy:
 kvserve runs with `--speculative off` unless --speculative is given, so that both decode one token a
 step; bench/speculation.py measures what drafting adds. Just before each server's one-stream load, both
 servers idle, the bus is measured as the median rate of summing a tensor the size of the file
-(bench/bandwidth.py `typical`): the file's bytes (a token reads every weight once) over the stream's median
-inter-token latency, divided by that, is the fraction of the bus a step reads at (each round's, and their
-median; the same with output tok/s, which holds the prompts' prefill too, as `..._with_prefill`). The
+(bench/bandwidth.py `typical`): the bytes a token reads (every weight once, of a MoE's experts those
+it uses: token_bytes) over the stream's median inter-token latency, divided by that, is the fraction of
+the bus a step reads at (each round's, and their median; the same with output tok/s, which holds the prompts' prefill too, as `..._with_prefill`). The
 best rate of the round's 256 MiB sums is kept beside them (`read_gb_s`).
 Prints JSON: every run, the medians, and kvserve / llama-server for each figure.
 """
@@ -150,6 +152,29 @@ def ratios(kv: dict, ls: dict) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def kvserve_urls(gguf: Path, serve_args: list[str]):
+    """kvserve on the file, warmed up: url(slots), the same server whatever the load (its batch follows it)."""
+    with launched_server(str(gguf), serve_args) as url:
+        warm_up(url)
+        yield lambda slots: url
+
+
+def token_bytes(gguf: Path) -> int:
+    """The bytes of weights one token reads: the file's tensors, of a mixture of experts' 3-D expert tensors
+    the share of the experts a token uses, the embedding table only where the lm_head reads it (tied)."""
+    import gguf as gguf_py
+
+    reader = gguf_py.GGUFReader(str(gguf))
+    arch = reader.fields["general.architecture"].contents()
+    share = 1.0
+    if f"{arch}.expert_count" in reader.fields:
+        share = reader.fields[f"{arch}.expert_used_count"].contents() / reader.fields[f"{arch}.expert_count"].contents()
+    tied = not any(t.name == "output.weight" for t in reader.tensors)  # else a token reads one row of the table
+    return int(sum(t.n_bytes * (share if "_exps." in t.name else 1.0) for t in reader.tensors
+                   if tied or t.name != "token_embd.weight"))
+
+
 def compared_file(spec: str) -> Path:
     """--file -> the GGUF path, made first if it is one of the named variants."""
     own = fetch(DEFAULT_MODEL, quiet=True)
@@ -179,6 +204,8 @@ def main() -> int:
     ap.add_argument("--history-tokens", type=int, default=2000)
     ap.add_argument("--long-output", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="one server up at a time, each round (for files two copies of which do not fit in memory)")
     ap.add_argument("--speculative", action="store_true",
                     help="kvserve drafts as it does by default; without it, both servers decode one token a step")
     ap.add_argument("--serve-args", default="", help="extra arguments for the launched kvserve")
@@ -193,33 +220,36 @@ def main() -> int:
     binary = args.llama_server or build()
     gguf = compared_file(args.file)
     args.file_bytes = gguf.stat().st_size
+    args.token_bytes = token_bytes(gguf)
     runs: dict[str, list[dict]] = {"kvserve": [], "llama-server": []}
     reads: list[float] = []  # GB/s, once a round with both servers idle: the machine's bandwidth drifts
+    serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
+    servers = {"kvserve": lambda: kvserve_urls(gguf, serve_args),
+               "llama-server": lambda: slots_matched(binary, gguf, threads=args.threads)}
     with contextlib.ExitStack() as stack:
-        serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
-        kvserve = stack.enter_context(launched_server(str(gguf), serve_args))
-        warm_up(kvserve)
-        urls = {"kvserve": lambda slots: kvserve,  # its batch follows the load by itself
-                "llama-server": stack.enter_context(slots_matched(binary, gguf, threads=args.threads))}
+        # both up at once, unless asked to take turns (two copies of a 17 GB file do not fit 24 GB)
+        urls = {} if args.one_at_a_time else {name: stack.enter_context(start()) for name, start in servers.items()}
         for rnd in range(args.rounds):
-            order = list(urls) if rnd % 2 == 0 else list(urls)[::-1]
-            results = {name: {} for name in urls}
+            order = list(servers) if rnd % 2 == 0 else list(servers)[::-1]
+            results = {name: {} for name in servers}
             reads.append(bandwidth.measure(threads=(args.threads,))[str(args.threads)])
-            for load in loads:
-                for name in order:
-                    results[name].update(RUNNERS[load](urls[name], args, rnd))
-                    print(json.dumps({"round": rnd, "server": name, "load": load}), file=sys.stderr, flush=True)
-            for name in urls:
+            for name in order if args.one_at_a_time else [None]:
+                with servers[name]() if name else contextlib.nullcontext() as alone:
+                    for load in loads:
+                        for each in [name] if name else order:
+                            results[each].update(RUNNERS[load](alone or urls[each], args, rnd))
+                            print(json.dumps({"round": rnd, "server": each, "load": load}), file=sys.stderr, flush=True)
+            for name in servers:
                 runs[name].append(results[name])
     med = {name: medians(r) for name, r in runs.items()}
-    report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "machine": cpu_name(), "threads": args.threads,
+    report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "token_mb": args.token_bytes // 2**20, "machine": cpu_name(), "threads": args.threads,
               "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": reads, "runs": runs, "median": med,
               "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
-    for name, rs in runs.items():  # a token reads every weight once: the GGUF's bytes, the lm_head included
+    for name, rs in runs.items():  # a token reads token_bytes: every weight once, of the experts those it uses
         ones = [run.get("1_streams", {}) for run in rs]
         if ones and all(o.get("itl_p50_ms") and o.get("read_gb_s") for o in ones):
-            step = [args.file_bytes / (o["itl_p50_ms"] / 1e3) / (o["read_gb_s"] * 1e9) for o in ones]
-            whole = [args.file_bytes * o["output_tok_s"] / (o["read_gb_s"] * 1e9) for o in ones]
+            step = [args.token_bytes / (o["itl_p50_ms"] / 1e3) / (o["read_gb_s"] * 1e9) for o in ones]
+            whole = [args.token_bytes * o["output_tok_s"] / (o["read_gb_s"] * 1e9) for o in ones]
             report[f"{name}_one_stream_fraction_of_bandwidth"] = round(statistics.median(step), 3)
             report[f"{name}_one_stream_fraction_runs"] = [round(f, 3) for f in step]
             report[f"{name}_one_stream_fraction_with_prefill"] = round(statistics.median(whole), 3)

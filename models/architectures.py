@@ -1,8 +1,9 @@
 """Which decoder each architecture builds, and how GGUF files name what the architectures hold.
 
 A checkpoint names its architecture in HF's config.json `architectures` or GGUF's `general.architecture`;
-config.py turns either into ModelConfig.architecture (HF_ARCHITECTURES, GGUF_ARCHITECTURES there: plain
-data, so reading a config needs no model code), and DECODERS below turns that into the decoder class.
+hf_config.py and gguf_config.py turn either into ModelConfig.architecture (HF_ARCHITECTURES there,
+config.GGUF_ARCHITECTURES: plain data, so reading a config needs no model code), and DECODERS below turns
+that into the decoder class.
 Mistral's GGUF files say "llama" (its math), so only its HF folders come out as "mistral".
 """
 from __future__ import annotations

@@ -7,13 +7,14 @@ kv > q - w), for Phi-3 as for Mistral: a token attends itself and the w - 1 befo
 attends 2047 tokens; flash-attention paths that passed window_size (w, w) attended 2048 (vLLM#4380), until
 transformers#39408 made its flash path agree with the mask.
 
-Plain data, as config.py is, which calls in here.
+Plain data, as config.py is; hf_config.py and gguf_config.py call in here.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from .config import WINDOWED_ARCHITECTURES, UnsupportedModel, hf_rope_scaling
+from .config import WINDOWED_ARCHITECTURES, UnsupportedModel
+from .hf_config import hf_rope_scaling
 
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # the architectures whose window, where set, is on every layer

@@ -9,7 +9,8 @@ import torch
 from tqdm import tqdm
 
 from .architectures import GGUF_PERMUTED_QK, GGUF_REFUSED_TENSORS, gguf_layer_names
-from .config import UnsupportedModel, from_gguf_metadata
+from .config import UnsupportedModel
+from .gguf_config import from_gguf_metadata
 from .errors import ModelLoadError
 from .spm_tokenizer import sentencepiece_from_gguf
 from .stored import StoredTensor, unpermute_qk

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from .architectures import HF_NORMS_OFFSET_BY_ONE
-from .config import ModelConfig, from_hf_config
+from .config import ModelConfig
+from .hf_config import from_hf_config
 from .errors import ModelLoadError
 from .tokenizer import TextTokenizer, TokenizerMeta
 

@@ -14,7 +14,7 @@ whole run), the choice is made once, by the context served: the model's whole co
 llama.cpp's default n_ctx too), so the long factors for every longrope checkpoint released (131072 over 4096).
 A prompt within the original context is then rotated as llama.cpp rotates it, not as transformers does.
 
-Plain data, as config.py is, which calls in here.
+Plain data, as config.py is; hf_config.py and gguf_config.py call in here.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ rope_attn_factor (cos and sin are multiplied by it), and its frequencies:
 transformers rounds low down and high up only where the config says `truncate` (gpt-oss says false); llama.cpp
 always rounds them (ggml_rope_yarn_corr_dims), so a GGUF file's YaRN is llama.cpp's.
 
-Plain data, as config.py is, which calls in here.
+Plain data, as config.py is; hf_config.py and gguf_config.py call in here.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import torch
 from kvcache import REGISTRY, CacheConfig, SessionCache
 from models import ModelConfig, UnsupportedModel, load_model
 from models import export as export_mod
-from models.config import from_gguf_metadata, from_hf_config
+from models.gguf_config import from_gguf_metadata
+from models.hf_config import from_hf_config
 from models.export import build_model
 from models import fused
 from models.fused import NativeQKVRotary, NativeRMSNorm

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models import load_model
-from models.config import from_gguf_metadata
+from models.gguf_config import from_gguf_metadata
 from models.export import build_model
 from models.hf_loader import read_hf
 from models.quant import model_kernels_available

@@ -9,7 +9,8 @@ import torch
 
 from models import ModelConfig, UnsupportedModel
 from models.blocks import rope_inv_freq
-from models.config import from_gguf_metadata, from_hf_config
+from models.gguf_config import from_gguf_metadata
+from models.hf_config import from_hf_config
 
 LONG = [1.0 + 0.5 * i for i in range(48)]  # distinct from SHORT, as the released factors are
 SHORT = [1.0 + 0.01 * i for i in range(48)]
@@ -98,7 +99,7 @@ def test_longrope_refusals():
     with pytest.raises(UnsupportedModel, match="rope scaling type 'longrope'"):
         from_hf_config(llama)
     base = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=100)
-    with pytest.raises(UnsupportedModel, match="phi3 \\(longrope\\) only"):
+    with pytest.raises(UnsupportedModel, match="phi3 and gpt-oss only; got 1.19 for llama"):
         ModelConfig(architecture="llama", rope_attn_factor=1.19, **base)
     with pytest.raises(UnsupportedModel, match="one for each of the 6 frequencies of 12 rotated dims; got 8"):
         ModelConfig(architecture="phi3", rope_dim=12, rope_freq_factors=(1.0,) * 8, **base)

@@ -3,7 +3,6 @@ module is built from it, and then a chunk of rows at a time, so a load never hol
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import numpy as np
 import torch
 
 from .errors import ModelLoadError
+from .file_reads import read_buffer, read_into
 from .formats import FLOAT_TYPES, FORMATS, CorruptBlock
 
 
@@ -58,22 +58,17 @@ class StoredTensor:
                 f"{', '.join([*FORMATS, *FLOAT_TYPES])}); pass --weights q4_0, q8_0 or f16 to requantize it")
 
     def _pread(self, r0: int, r1: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Rows r0..r1's bytes read straight into `into`'s first bytes (a buffer reused across reads) or a
-        new tensor."""
+        """Rows r0..r1's bytes, read into `into` (file_reads.read_buffer's: direct) if given, else a new tensor."""
         n = (r1 - r0) * self.row_bytes
-        buf = torch.empty(n, dtype=torch.uint8) if into is None else into[:n]
-        view, done = buf.numpy(), 0
-        with open(self.path, "rb", buffering=0) as f:
-            while done < n:  # one read returns at most about 2 GiB
-                got = os.preadv(f.fileno(), [view[done:]], self.offset + r0 * self.row_bytes + done)
-                if got <= 0:
-                    raise ModelLoadError(f"{self.path}: truncated (tensor {self.name} ends past the end of the file)")
-                done += got
-        return buf.view(r1 - r0, self.row_bytes)
+        buffer = torch.empty(n, dtype=torch.uint8) if into is None else into
+        raw = read_into(self.path, self.offset + r0 * self.row_bytes, n, buffer)
+        if raw is None:
+            raise ModelLoadError(f"{self.path}: truncated (tensor {self.name} ends past the end of the file)")
+        return raw.view(r1 - r0, self.row_bytes)
 
     def read_rows(self, r0: int, r1: int, into: torch.Tensor | None = None) -> torch.Tensor:
         """Rows r0..r1 as stored bytes [r1 - r0, row bytes] uint8, un-permuted if `heads`; read into `into`
-        (at least their bytes, uint8) if given, unless un-permuted."""
+        (a read_buffer of at least their bytes) if given, unless un-permuted."""
         if not self.heads:
             return self._pread(r0, r1, into)
         d = self.rows // self.heads  # rows a head
@@ -108,7 +103,7 @@ class StoredTensor:
         read into one buffer."""
         fmt = FORMATS[self.type]
         step = fmt.chunk_rows(self.row_bytes)
-        buffer = torch.empty(min(step, self.rows) * self.row_bytes, dtype=torch.uint8)
+        buffer = read_buffer(min(step, self.rows) * self.row_bytes)
         with self._reading():
             return fmt.panels(lambda r0, r1: self.read_rows(r0, r1, buffer), self.rows, out, step)
 

@@ -1,12 +1,13 @@
 """The load's native repack of a file's blocks into panels (kernels/repack.cpp) against its Python reference
 (formats/: each format's decode, then panels.pack): byte for byte for every format, the padding rows
-included, read from a file in chunks and as stacked experts, and damaged blocks refused alike."""
+included, read from a file (file_reads.py) in chunks and as stacked experts, and damaged blocks refused alike."""
 import numpy as np
 import pytest
 import torch
 
 from models import ModelLoadError
 from models.expert_weights import held
+from models.file_reads import ALIGN, read_buffer, read_into
 from models.formats import DAMAGED, FORMATS, CorruptBlock
 from models.formats.panels import panel_count
 from models.quant import model_kernels_available
@@ -102,3 +103,19 @@ def test_stacked_experts_are_each_experts_panels(tmp_path, n):
     assert (kind, source) == (FORMATS["Q4_K"].kind.id, "Q4_K")
     per_expert = raw.reshape(e, n, -1)
     assert torch.equal(panels, torch.stack([repacked("Q4_K", per_expert[i], native=False) for i in range(e)]))
+
+
+def test_reads_are_exact_at_any_offset_and_stop_at_the_end(tmp_path):
+    """Direct reads (an aligned span around the bytes asked for) and plain ones give the same bytes; a read
+    past the end gives nothing, and a stored tensor there says the file is truncated."""
+    data = np.random.default_rng(6).integers(0, 256, size=3 * ALIGN + 123, dtype=np.uint8)
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(data.tobytes())
+    for offset, n in ((0, data.size), (5, ALIGN), (ALIGN - 1, ALIGN + 2), (data.size - 100, 100), (17, 0)):
+        for buffer in (read_buffer(n), torch.empty(n, dtype=torch.uint8)):
+            got = read_into(path, offset, n, buffer)
+            assert got is not None and np.array_equal(got.numpy(), data[offset : offset + n]), (offset, n)
+    assert read_into(path, data.size - 100, 101, read_buffer(101)) is None
+    tensor = StoredTensor("blk.0.ffn_up.weight", path, 6, "Q8_0", (200, 64))  # 13,600 bytes: past the end
+    with pytest.raises(ModelLoadError, match="truncated"):
+        tensor.panels()

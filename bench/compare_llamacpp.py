@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bandwidth  # noqa: E402
 import multiturn  # noqa: E402
 from launch import launched_server, warm_up  # noqa: E402
-from llama_server import build, slots_matched, tool  # noqa: E402
+from llama_server import SLOT_TOKENS, build, slots_matched, tool  # noqa: E402
 from load_models import SHAPES, model_file  # noqa: E402
 from moe_files import SPECS as MOE_SPECS  # noqa: E402
 from moe_files import moe_file  # noqa: E402
@@ -204,6 +204,9 @@ def main() -> int:
     ap.add_argument("--history-tokens", type=int, default=2000)
     ap.add_argument("--long-output", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slot-tokens", type=int, default=SLOT_TOKENS,
+                    help="llama-server's context a slot (-c is this times -np): 32 slots of 3,072 tokens of "
+                         "Qwen3-30B-A3B's KV (96 KiB a token) and its 17 GB do not fit 24 GB")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="one server up at a time, each round (for files two copies of which do not fit in memory)")
     ap.add_argument("--speculative", action="store_true",
@@ -225,7 +228,7 @@ def main() -> int:
     reads: list[float] = []  # GB/s, once a round with both servers idle: the machine's bandwidth drifts
     serve_args = ["--served-model-name", SERVED, *args.serve_args.split(), *([] if args.speculative else ["--speculative", "off"])]
     servers = {"kvserve": lambda: kvserve_urls(gguf, serve_args),
-               "llama-server": lambda: slots_matched(binary, gguf, threads=args.threads)}
+               "llama-server": lambda: slots_matched(binary, gguf, threads=args.threads, slot_tokens=args.slot_tokens)}
     with contextlib.ExitStack() as stack:
         # both up at once, unless asked to take turns (two copies of a 17 GB file do not fit 24 GB)
         urls = {} if args.one_at_a_time else {name: stack.enter_context(start()) for name, start in servers.items()}

@@ -29,8 +29,8 @@ TOOLS = ("llama-server", "llama-quantize", "llama-perplexity")
 SLOT_TOKENS = 3072  # a slot's context: a 2,000-token history and its reply
 
 
-def serve_flags(slots: int) -> list[str]:
-    return ["-np", str(slots), "-c", str(slots * SLOT_TOKENS), "--cont-batching", "--jinja"]
+def serve_flags(slots: int, slot_tokens: int = SLOT_TOKENS) -> list[str]:
+    return ["-np", str(slots), "-c", str(slots * slot_tokens), "--cont-batching", "--jinja"]
 
 
 def binary_path() -> Path:
@@ -64,15 +64,16 @@ def tool(name: str) -> Path:
     return build(quiet=True).parent / name
 
 
-def llama_server(binary: str | Path, gguf: str | Path, extra: list[str] | None = None, threads: int = 2, slots: int = 32):
+def llama_server(binary: str | Path, gguf: str | Path, extra: list[str] | None = None, threads: int = 2, slots: int = 32,
+                 slot_tokens: int = SLOT_TOKENS):
     """llama-server on the GGUF with `slots` parallel slots (-np) and `extra`: a context that gives its URL."""
     port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), *serve_flags(slots), *(extra or [])]
+    cmd = [str(binary), "-m", str(gguf), "--port", str(port), "-t", str(threads), *serve_flags(slots, slot_tokens), *(extra or [])]
     return running(cmd, port, 300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @contextlib.contextmanager
-def slots_matched(binary: str | Path, gguf: str | Path, threads: int = 2):
+def slots_matched(binary: str | Path, gguf: str | Path, threads: int = 2, slot_tokens: int = SLOT_TOKENS):
     """llama-server at its best flags for each load: `-np` as many as the load's concurrent requests. Gives
     url(slots), which restarts it with that many slots (and sends it a first, unmeasured request) when the
     last load had another count."""
@@ -81,7 +82,8 @@ def slots_matched(binary: str | Path, gguf: str | Path, threads: int = 2):
         def url(slots: int) -> str:
             if held.get("slots") != slots:
                 stack.close()
-                held.update(slots=slots, url=stack.enter_context(llama_server(binary, gguf, threads=threads, slots=slots)))
+                server = llama_server(binary, gguf, threads=threads, slots=slots, slot_tokens=slot_tokens)
+                held.update(slots=slots, url=stack.enter_context(server))
                 warm_up(held["url"])
             return held["url"]
         yield url

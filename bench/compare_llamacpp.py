@@ -18,7 +18,7 @@ loads that differ. The loads, all streamed and greedy:
   32 decode 64 tokens together (output tok/s, ITL).
 kvserve runs with `--speculative off` unless --speculative is given, so that both decode one token a
 step; bench/speculation.py measures what drafting adds. Just before each server's one-stream load, both
-servers idle, the bus is measured as the median rate of summing a tensor the size of the file
+servers idle, the bus is measured as the median rate of summing a tensor of token_bytes, at most 1 GiB
 (bench/bandwidth.py `typical`): the bytes a token reads (every weight once, of a MoE's experts those
 it uses: token_bytes) over the stream's median inter-token latency, divided by that, is the fraction of
 the bus a step reads at (each round's, and their median; the same with output tok/s, which holds the prompts' prefill too, as `..._with_prefill`). The
@@ -75,7 +75,8 @@ def streams(url, args, rnd: int) -> dict:
     for c in (1, 8, 32):
         n, length = (4, 128) if c == 1 else (2 * c, 64)
         at = url(c)
-        bus = {"read_gb_s": bandwidth.typical(args.file_bytes, args.threads)} if c == 1 else {}  # in this minute
+        # In this minute, over at most 1 GiB: far past the caches, and room beside a served model the size of RAM.
+        bus = {"read_gb_s": bandwidth.typical(min(args.token_bytes, 2**30), args.threads)} if c == 1 else {}
         report = asyncio.run(run_level(at, SERVED, make_requests(n, 32, length, 0.0, args.seed + rnd), c, None, 0))
         out[f"{c}_streams"] = {"output_tok_s": report["output_tok_s"], "itl_p50_ms": report["itl_ms"].get("p50"),
                                "itl_p99_ms": report["itl_ms"].get("p99"), "failed": report["failed"], **bus}

@@ -14,13 +14,12 @@ from .errors import ModelLoadError
 from .formats import FLOAT_TYPES, FORMATS
 from .formats.panels import INT8_ACTIVATIONS, KINDS, PANEL, PANEL_GROUP, panel_count
 from .moe import FLOAT, SparseMoE
+from .quant import REQUANTIZE, REQUANTIZED_TYPES
 from .stored import StoredTensor
 from .weight_memory import empty_weight
 
 PARTS = ("gate_proj", "up_proj", "down_proj")
 BIASES = ("gate_bias", "up_bias", "down_bias")
-# weight mode -> the block kind its requantized experts take (quant.REQUANTIZE's layers' kind)
-REQUANTIZED = {"q4": ("q4", "Q4_1"), "q4_0": ("q4_0", "Q4_0"), "q8_0": ("q8", "Q8_0")}
 Weight = torch.Tensor | StoredTensor
 
 
@@ -103,11 +102,11 @@ def held(w: Weight, weights: str) -> tuple[torch.Tensor, int, str]:
         return panels, kind, w.type
     source = w.type if isinstance(w, StoredTensor) else None
     floats = _floats(w)
-    if weights in REQUANTIZED:
+    if weights in REQUANTIZE:
         if floats.shape[-1] % BLOCK:
             raise ModelLoadError(f"expert rows of {floats.shape[-1]} weights are not whole blocks of {BLOCK}")
-        kind, name = REQUANTIZED[weights]
-        return torch.stack([to_panels(m.float(), kind) for m in floats]), KINDS[kind].id, name
+        kind = REQUANTIZE[weights][0]  # the layers' kind
+        return torch.stack([to_panels(m.float(), kind) for m in floats]), KINDS[kind].id, REQUANTIZED_TYPES[kind]
     if weights == "f16":
         floats = floats.to(torch.float16)
     elif weights == "f32" or floats.dtype not in FLOAT_TYPES.values():

@@ -70,9 +70,19 @@ def _activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
 def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int, weights: list[torch.Tensor],
                 ns: list[int], kinds: list[int], gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
                 down_bias: torch.Tensor | None, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
-    gate, up, down = weights
     dtype, x = x.dtype, x.float()
     ids, route_weights = route(logits, top_k, routing)  # [n, k] each
+    if FLOAT not in kinds:  # the same operations, natively, in one parallel loop a weight (kernels/moe_experts.cpp)
+        return torch.ops.kvserve_native.moe_blocks(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias,
+                                                   down_bias, swiglu_limit, swiglu_alpha).to(dtype)
+    return _grouped(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit,
+                    swiglu_alpha).to(dtype)
+
+
+def _grouped(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit, swiglu_alpha):
+    """The expert op on any weights, float among them: each chosen expert's products over its rows, in turn."""
+    gate, up, down = weights
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)  # [n * k]: row r's choices at r*k .. r*k + k - 1
     order = flat.argsort(stable=True)  # by expert, each expert's rows ascending
     counts = torch.bincount(flat, minlength=gate.shape[0]).tolist()
@@ -97,7 +107,7 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int,
     out = picked[:, 0]
     for j in range(1, top_k):  # one add a choice, so that a row's sum runs in one order whatever the batch
         out = out + picked[:, j]
-    return out.to(dtype)
+    return out
 
 
 @moe_experts.register_fake

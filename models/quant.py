@@ -41,9 +41,10 @@ WEIGHT_MODES = ("stored", "f32", "f16", "q4", "q4_0", "q8_0")
 ACTIVATIONS = ("int8", "int16")
 
 REQUANTIZE = {"q4": ("q4", "q8"), "q4_0": ("q4_0", "q8"), "q8_0": ("q8", "q8")}  # mode -> layers' kind, lm_head's
+REQUANTIZED_TYPES = {"q4": "Q4_1", "q4_0": "Q4_0", "q8": "Q8_0"}  # a requantized kind -> the file type it equals
 FLOAT_NAMES = {dtype: name for name, dtype in FLOAT_TYPES.items()}  # torch.float16 -> "F16"
 _KERNELS = [Path(__file__).parent / "kernels" / name for name in ("quant_matmul.cpp", "fused.cpp", "block.cpp", "linear_f32.cpp",
-                                                                  "compiled_package.cpp", "repack.cpp")]
+                                                                  "compiled_package.cpp", "repack.cpp", "moe_experts.cpp")]
 
 
 def _packed(weight: torch.Tensor):
@@ -155,7 +156,7 @@ class LinearBlocks(nn.Module):
     @staticmethod
     def quantized(linear: nn.Linear, kind: str) -> LinearBlocks:
         """An nn.Linear's weight requantized to `kind` (q4, q4_0, q8)."""
-        name = {"q4": "Q4_1", "q4_0": "Q4_0", "q8": "Q8_0"}[kind]
+        name = REQUANTIZED_TYPES[kind]
         return LinearBlocks([(to_panels(linear.weight.detach(), kind), kind, linear.out_features)], linear.bias, (name,))
 
     @staticmethod

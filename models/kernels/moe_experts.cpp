@@ -27,7 +27,7 @@ using kvserve_blocks::GROUP_FEATURES;
 
 // Features a slice of work covers: each slice is one product of a few panel groups, small enough that an
 // expert's weight splits over many threads, large enough that a slice's set-up is a small share of it.
-constexpr int64_t SLICE = 4 * GROUP_FEATURES;
+constexpr int64_t SLICE = 16 * GROUP_FEATURES;
 
 struct Slice {
   int64_t expert, part, col;  // part: which weight; col: its first output feature

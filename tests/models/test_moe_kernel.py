@@ -15,7 +15,7 @@ from tests.models.test_formats import stored_panels
 
 pytestmark = pytest.mark.skipif(not model_kernels_available(), reason="no AVX2 CPU or compiler here")
 
-E, C, F = 6, 256, 256  # experts, hidden, expert FFN: whole K-quant super-blocks on both sides
+E, C, F = 6, 512, 512  # experts, hidden, expert FFN: whole K-quant super-blocks, two slices of the op a weight
 
 
 def expert_panels(gguf_type: str, rows: int, k: int, rng) -> torch.Tensor:

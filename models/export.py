@@ -228,7 +228,8 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
 
 def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str,
                   weights: str = "f32", held: tuple[tuple[str, int], ...] = (), held_bytes: int = 0,
-                  activations: str = ACTIVATIONS[0]) -> None:
+                  activations: str = ACTIVATIONS[0], source: str = "") -> None:
+    """The artifact into `folder`; `source`, the checkpoint's resolved path where it came from one."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
@@ -251,7 +252,7 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
     specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
     hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
     meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
-            "activations": activations,
+            "activations": activations, "source": source,
             "aliases": aliases, "sha256": hashes, "held": [list(h) for h in held], "held_bytes": held_bytes, **specs}
     (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
     if folder.exists():

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from .architectures import GGUF_PERMUTED_QK, GGUF_REFUSED_TENSORS, gguf_layer_names
 from .config import UnsupportedModel
 from .gguf_config import from_gguf_metadata
+from .gguf_file import read_header
 from .errors import ModelLoadError
 from .spm_tokenizer import sentencepiece_from_gguf
 from .stored import StoredTensor, unpermute_qk
@@ -22,29 +23,6 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _TOKENIZERS = {"gpt2": (byte_level_bpe_from_gguf, False), "llama": (sentencepiece_from_gguf, True)}
 # Chat models end a turn with their template's end-of-turn token, which may differ from EOS.
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
-
-
-def _reader(path: Path):
-    import gguf
-
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as e:  # the reader raises many kinds of errors on a damaged file
-        raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
-
-
-def _metadata(reader) -> dict[str, Any]:
-    meta = {}
-    for name, f in reader.fields.items():
-        if name.startswith("GGUF."):
-            continue
-        try:
-            meta[name] = f.contents()
-        except Exception as e:
-            raise ModelLoadError(f"GGUF metadata field {name} is unreadable: {e}") from None
-    return meta
 
 
 def our_name(gguf_name: str, arch: str) -> str:
@@ -62,17 +40,16 @@ def read_gguf(path: Path, dtype: torch.dtype = torch.float32, progress: bool = F
     """-> (ModelConfig, state in our names, TextTokenizer). Matrices stay in the file, as StoredTensors;
     vectors (norms, biases) are read as float32."""
     path = Path(path)
-    reader = _reader(path)
-    meta = _metadata(reader)
-    tensors = {t.name: t for t in reader.tensors}
+    meta, infos = read_header(path)
+    tensors = {t.name: t for t in infos}
     size = path.stat().st_size
-    for t in reader.tensors:
+    for t in infos:
         if t.data_offset + t.n_bytes > size:
             raise ModelLoadError(f"{path}: truncated (tensor {t.name} ends past the end of the file)")
 
     def stored(t, heads: int = 0) -> StoredTensor:
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists the row length first
-        return StoredTensor(t.name, path, int(t.data_offset), t.tensor_type.name, shape, heads)
+        shape = tuple(reversed(t.shape))  # GGUF lists the row length first
+        return StoredTensor(t.name, path, t.data_offset, t.type_name, shape, heads)
 
     # RoPE's frequency factors, config rather than weights: llama3's rope_freqs, phi3's longrope long and short sets
     rope_factors = {name: stored(tensors.pop(f"{name}.weight")).floats().tolist()

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
+import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,6 +23,7 @@ from .hf_loader import read_hf
 from .quant import ACTIVATIONS, REQUANTIZE, model_kernels_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STALE_AFTER_S = 3600
 
 
 def resolve_weights(weights: str) -> str:
@@ -79,6 +83,26 @@ def _source_key(path: Path, dtype: torch.dtype, weights: str, activations: str) 
     return h.hexdigest()[:24]
 
 
+def _prune_stale(fresh: Path) -> None:
+    """Removes the cache's other artifacts of fresh's checkpoint, dtype, weight mode and activations, unused
+    for STALE_AFTER_S: made by an earlier kvserve or from the file before it changed, never to load again,
+    and each as large as the model. A recent one may be another kvserve version's, running beside this."""
+    meta = _artifact_meta(fresh)
+    same = ("source", "dtype", "weights", "activations")
+    for folder in fresh.parent.iterdir():
+        other = _artifact_meta(folder) if folder != fresh and folder.is_dir() else None
+        if other and all(other.get(k) == meta.get(k) for k in same) and time.time() - folder.stat().st_mtime > STALE_AFTER_S:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _artifact_meta(folder: Path) -> dict | None:
+    try:
+        meta = json.loads((folder / "kvserve.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("source") else None
+
+
 def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32",
                trust_artifact: bool = False, compiled: bool = True, activations: str = ACTIVATIONS[0]) -> LoadedModel:
     """Load an artifact as is (its program only if kvserve exported it, or `trust_artifact`); export a
@@ -95,14 +119,17 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     cached = cache_dir() / "artifacts" / _source_key(path, torch_dtype, weights, activations)
     if use_cache and is_artifact(cached):
         try:  # named as asked now: the cached export may have been made under another name for the same file
-            return dataclasses.replace(load_artifact(cached, compiled=compiled), name=spec)
+            loaded = dataclasses.replace(load_artifact(cached, compiled=compiled), name=spec)
+            os.utime(cached)  # its last use, which keeps it from _prune_stale
+            return loaded
         except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
             print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()
     program, config, tokenizer, held = export_checkpoint(path, torch_dtype, progress, weights, activations)
     if use_cache:
         save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0], held_bytes=held[1],
-                      activations=activations)
+                      activations=activations, source=str(path.resolve()))
+        _prune_stale(cached)
     if progress:
         print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
     forward = Program(export_mod.runnable_module(program))

@@ -19,6 +19,9 @@ Op contract, kvserve::moe_experts(x, logits, top_k, routing, weights, ns, kinds,
     swiglu_limit 0: silu(gate) * up; > 0: gpt-oss's clamped form, (up + 1) * gate * sigmoid(alpha * gate)
              with gate clamped above and up both ways at the limit
     -> [n, C] in x's dtype (computed in float32)
+A layer whose experts are all held as panels calls kvserve_native::moe_experts instead, the same contract
+and the same bits (kernels/moe_experts.cpp): no Python call a layer, and every expert's products one
+parallel loop.
 """
 from __future__ import annotations
 
@@ -70,11 +73,11 @@ def _activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
 def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int, weights: list[torch.Tensor],
                 ns: list[int], kinds: list[int], gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
                 down_bias: torch.Tensor | None, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
+    if FLOAT not in kinds:  # the same operations, natively (kernels/moe_experts.cpp)
+        return torch.ops.kvserve_native.moe_experts(x, logits, top_k, routing, weights, ns, kinds, gate_bias, up_bias,
+                                                    down_bias, swiglu_limit, swiglu_alpha)
     dtype, x = x.dtype, x.float()
     ids, route_weights = route(logits, top_k, routing)  # [n, k] each
-    if FLOAT not in kinds:  # the same operations, natively, in one parallel loop a weight (kernels/moe_experts.cpp)
-        return torch.ops.kvserve_native.moe_blocks(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias,
-                                                   down_bias, swiglu_limit, swiglu_alpha).to(dtype)
     return _grouped(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit,
                     swiglu_alpha).to(dtype)
 
@@ -159,6 +162,8 @@ class SparseMoE(nn.Module):
         """x [1, n, C] -> [1, n, C]."""
         logits = self.router(x)[0]  # [n, E]
         e = self.experts
-        y = torch.ops.kvserve.moe_experts(x[0], logits, self.top_k, self.routing, e.weights(), list(e.ns), list(e.kinds),
-                                          *e.biases(), self.swiglu_limit, self.swiglu_alpha)  # [n, C]
+        # experts held as panels take the native op, the same contract without a Python call a layer
+        op = torch.ops.kvserve.moe_experts if FLOAT in e.kinds else torch.ops.kvserve_native.moe_experts
+        y = op(x[0], logits, self.top_k, self.routing, e.weights(), list(e.ns), list(e.kinds), *e.biases(),
+               self.swiglu_limit, self.swiglu_alpha)  # [n, C]
         return y.unsqueeze(0)

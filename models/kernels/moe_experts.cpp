@@ -2,7 +2,11 @@
 // expert they chose, each chosen expert's products run once over all its rows, and every expert's
 // products one parallel loop of equal slices, which the threads take as they come free.
 //
-// Op contract (kvserve_native::moe_blocks):
+// Op contracts:
+//   moe_experts(x [n, C], logits [n, E], top_k, routing, weights, ns, kinds, gate_bias?, up_bias?, down_bias?,
+//               swiglu_limit, swiglu_alpha) -> [n, C] in x's dtype: models/moe.py's kvserve::moe_experts, for
+//               experts held as panels: each row's experts picked as moe.route picks them, then moe_blocks
+// kvserve_native::moe_blocks:
 //   moe_blocks(x [n, C] f32, ids [n, k] i64, route_weights [n, k] f32, weights [gate, up, down],
 //              ns [F, F, C], kinds [3], gate_bias?, up_bias?, down_bias?, swiglu_limit, swiglu_alpha) -> [n, C] f32
 //   gate, up [E, P, C/unit, bytes] and down [E, P', F/unit, bytes] uint8: each expert's panels of its kind
@@ -18,6 +22,7 @@
 #include <algorithm>
 #include <atomic>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -130,11 +135,46 @@ at::Tensor moe_blocks(const at::Tensor& x_in, const at::Tensor& ids_in, const at
   return out;
 }
 
+// models/moe_config.py's ROUTINGS
+enum Routing : int64_t { SOFTMAX = 0, SOFTMAX_NORM = 1, TOPK_SOFTMAX = 2 };
+
+at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& logits_in, int64_t top_k, int64_t routing, at::TensorList ws,
+                       at::IntArrayRef ns, at::IntArrayRef kinds, const std::optional<at::Tensor>& gate_bias,
+                       const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias,
+                       double swiglu_limit, double swiglu_alpha) {
+  TORCH_CHECK(routing >= SOFTMAX && routing <= TOPK_SOFTMAX, "unknown routing ", routing);
+  const at::Tensor logits = logits_in.to(at::kFloat);
+  at::Tensor ids, weights;
+  if (routing == TOPK_SOFTMAX) {
+    at::Tensor top;
+    std::tie(top, ids) = logits.topk(top_k, -1);
+    weights = top.softmax(-1);
+  } else {
+    std::tie(weights, ids) = logits.softmax(-1).topk(top_k, -1);
+    if (routing == SOFTMAX_NORM) weights = weights / weights.sum(-1, true);
+  }
+  return moe_blocks(x, ids, weights, ws, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit, swiglu_alpha)
+      .to(x.scalar_type());
+}
+
+at::Tensor moe_experts_meta(const at::Tensor& x, const at::Tensor&, int64_t, int64_t, at::TensorList, at::IntArrayRef,
+                            at::IntArrayRef, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            const std::optional<at::Tensor>&, double, double) {
+  return at::empty_symint(x.sym_sizes(), x.options());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_native, m) {
   m.def("moe_blocks(Tensor x, Tensor ids, Tensor route_weights, Tensor[] weights, int[] ns, int[] kinds, "
         "Tensor? gate_bias, Tensor? up_bias, Tensor? down_bias, float swiglu_limit, float swiglu_alpha) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor logits, int top_k, int routing, Tensor[] weights, int[] ns, int[] kinds, "
+        "Tensor? gate_bias, Tensor? up_bias, Tensor? down_bias, float swiglu_limit, float swiglu_alpha) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) { m.impl("moe_blocks", &moe_blocks); }
+TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
+  m.impl("moe_blocks", &moe_blocks);
+  m.impl("moe_experts", &moe_experts);
+}
+
+TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) { m.impl("moe_experts", &moe_experts_meta); }

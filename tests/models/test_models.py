@@ -162,6 +162,42 @@ def test_a_cached_export_is_named_as_it_is_asked_for(smollm_path):
     assert (by_path.name, by_name.name) == (str(smollm_path), DEFAULT_MODEL)
 
 
+def test_a_new_export_removes_the_same_checkpoints_stale_ones(tiny_checkpoints, tmp_path):
+    """Exporting a checkpoint again (new kvserve code, or the file changed) removes its earlier artifacts of
+    the same options once unused for an hour (each is as large as the model); a recently used one, which
+    another kvserve version may be running from, and those of other options or checkpoints stay."""
+    import os
+    import shutil
+    import time
+
+    from models.catalog import cache_dir
+    from models.export import activations_for
+
+    folder = tmp_path / "copy"
+    shutil.copytree(tiny_checkpoints["llama"], folder)  # a path no export was made from
+    source = str(folder.resolve())
+    same = {"source": source, "dtype": "float32", "weights": "f32", "activations": activations_for("f32", "int8")}
+    planted = {"stale": same, "recent": same, "other-weights": {**same, "weights": "f16"},
+               "other-file": {**same, "source": source + "-elsewhere"}}
+    root = cache_dir() / "artifacts"
+    paths = {}
+    for name, meta in planted.items():
+        paths[name] = root / f"test-{name}-{os.getpid()}"
+        paths[name].mkdir(parents=True)
+        (paths[name] / "kvserve.json").write_text(json.dumps(meta))
+        if name != "recent":
+            os.utime(paths[name], (time.time() - 7200, time.time() - 7200))
+    model = None
+    try:
+        model = load_model(str(folder), weights="f32")
+        assert json.loads((model.folder / "kvserve.json").read_text())["source"] == source
+        assert {name for name, p in paths.items() if p.exists()} == {"recent", "other-weights", "other-file"}
+        assert model.folder.is_dir()
+    finally:
+        for p in [*paths.values(), *([model.folder] if model else [])]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def test_artifact_loads_in_fresh_process(tiny_checkpoints, tmp_path):
     out = tmp_path / "artifact"
     folder = tiny_checkpoints["llama"]

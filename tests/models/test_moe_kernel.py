@@ -92,3 +92,21 @@ def test_bad_expert_ids_and_shapes_are_refused():
         torch.ops.kvserve_native.moe_blocks(x, ids, route_weights, weights, [F, F, F + 16], kinds, *biases, 0.0, 0.0)
     empty = torch.ops.kvserve_native.moe_blocks(x[:0], ids[:0], route_weights[:0], weights, [F, F, C], kinds, *biases, 0.0, 0.0)
     assert empty.shape == (0, C)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_routed_native_op_is_the_python_ops_bits(case):
+    """kvserve_native::moe_experts (routing in the op, what a program of panel experts calls) against
+    kvserve::moe_experts' per-expert path on the same logits, in float32 and bfloat16 hidden states."""
+    types, int8, gpt, routing = CASES[case]
+    weights, kinds, biases = layer(types, int8, gpt)
+    limit, alpha = (7.0, 1.702) if gpt else (0.0, 0.0)
+    g = torch.Generator().manual_seed(5)
+    x, logits = torch.randn(7, C, generator=g), torch.randn(7, E, generator=g)
+    top_k = 3 if gpt else 2
+    for dtype in (torch.float32, torch.bfloat16):
+        native = torch.ops.kvserve_native.moe_experts(x.to(dtype), logits, top_k, ROUTINGS[routing], weights, [F, F, C], kinds,
+                                                      *biases, limit, alpha)
+        ids, route_weights = moe.route(logits, top_k, ROUTINGS[routing])
+        want = moe._grouped(x.to(dtype).float(), ids, route_weights, weights, [F, F, C], kinds, *biases, limit, alpha).to(dtype)
+        assert native.dtype == dtype and torch.equal(native, want)

@@ -1,6 +1,7 @@
 """Turn a model name, .gguf path, HF folder or artifact folder into a ready exported program."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -120,7 +121,8 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
     if use_cache and is_artifact(cached):
         try:  # named as asked now: the cached export may have been made under another name for the same file
             loaded = dataclasses.replace(load_artifact(cached, compiled=compiled), name=spec)
-            os.utime(cached)  # its last use, which keeps it from _prune_stale
+            with contextlib.suppress(OSError):  # a read-only cache still loads
+                os.utime(cached)  # its last use, which keeps it from _prune_stale
             return loaded
         except ModelLoadError as e:  # damaged or changed since kvserve wrote it: export it again over it
             print(f"re-exporting {spec}: {e}", file=sys.stderr)

@@ -73,9 +73,6 @@ def _activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float
 def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int, weights: list[torch.Tensor],
                 ns: list[int], kinds: list[int], gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None,
                 down_bias: torch.Tensor | None, swiglu_limit: float, swiglu_alpha: float) -> torch.Tensor:
-    if FLOAT not in kinds:  # the same operations, natively (kernels/moe_experts.cpp)
-        return torch.ops.kvserve_native.moe_experts(x, logits, top_k, routing, weights, ns, kinds, gate_bias, up_bias,
-                                                    down_bias, swiglu_limit, swiglu_alpha)
     dtype, x = x.dtype, x.float()
     ids, route_weights = route(logits, top_k, routing)  # [n, k] each
     return _grouped(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit,
@@ -83,7 +80,8 @@ def moe_experts(x: torch.Tensor, logits: torch.Tensor, top_k: int, routing: int,
 
 
 def _grouped(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias, down_bias, swiglu_limit, swiglu_alpha):
-    """The expert op on any weights, float among them: each chosen expert's products over its rows, in turn."""
+    """The expert op on any weights: each chosen expert's products over its rows, in turn (the reference
+    kernels/moe_experts.cpp computes the bits of)."""
     gate, up, down = weights
     top_k = ids.shape[1]
     flat = ids.reshape(-1)  # [n * k]: row r's choices at r*k .. r*k + k - 1

@@ -93,11 +93,12 @@ at::Tensor moe_blocks(const at::Tensor& x_in, const at::Tensor& ids_in, const at
           for (int64_t col = 0; col < width; col += SLICE) out.push_back({e, part, col});
     return out;
   };
+  const int64_t group_bytes[3] = {kvserve_blocks::group_bytes(kinds[0], C), kvserve_blocks::group_bytes(kinds[1], C),
+                                  kvserve_blocks::group_bytes(kinds[2], F)};
   // One expert's part `part` over its rows, features col .. col + SLICE, into out (rows ld apart).
-  auto run = [&](const Slice& s, const Activations& a, int64_t K, float* out, int64_t ld) {
+  auto run = [&](const Slice& s, const Activations& a, float* out, int64_t ld) {
     const at::Tensor& w = ws[s.part];
-    const uint8_t* panels = w.data_ptr<uint8_t>() + s.expert * w.stride(0) +
-                            s.col / GROUP_FEATURES * kvserve_blocks::group_bytes(kinds[s.part], K);
+    const uint8_t* panels = w.data_ptr<uint8_t>() + s.expert * w.stride(0) + s.col / GROUP_FEATURES * group_bytes[s.part];
     const int64_t r0 = begin[s.expert], m = begin[s.expert + 1] - r0;
     kvserve_blocks::product(a, kinds[s.part], r0, m, panels, std::min(SLICE, ns[s.part] - s.col), out + r0 * ld + s.col, ld);
   };
@@ -110,7 +111,7 @@ at::Tensor moe_blocks(const at::Tensor& x_in, const at::Tensor& ids_in, const at
   const Activations& up_x = own_up ? *own_up : gate_x;
   at::Tensor gate_up = at::empty({nk, 2 * F}, x.options());
   float* gu = gate_up.data_ptr<float>();
-  each_slice(slices({0, 1}, F), [&](const Slice& s) { run(s, s.part == 0 ? gate_x : up_x, C, gu + s.part * F, 2 * F); });
+  each_slice(slices({0, 1}, F), [&](const Slice& s) { run(s, s.part == 0 ? gate_x : up_x, gu + s.part * F, 2 * F); });
   at::Tensor gate = gate_up.narrow(1, 0, F), up = gate_up.narrow(1, F, F);
   if (gate_bias) gate = gate + gate_bias->index_select(0, expert);
   if (up_bias) up = up + up_bias->index_select(0, expert);
@@ -126,7 +127,7 @@ at::Tensor moe_blocks(const at::Tensor& x_in, const at::Tensor& ids_in, const at
   const Activations down_x = kvserve_blocks::quantize(h.contiguous(), kinds[2]);
   at::Tensor y = at::empty({nk, C}, x.options());
   float* yp = y.data_ptr<float>();
-  each_slice(slices({2}, C), [&](const Slice& s) { run(s, down_x, F, yp, C); });
+  each_slice(slices({2}, C), [&](const Slice& s) { run(s, down_x, yp, C); });
   if (down_bias) y = y + down_bias->index_select(0, expert);
   y = y * route.view({-1}).index_select(0, slot).unsqueeze(1);
   at::Tensor picked = at::empty({nk, C}, x.options()).index_copy_(0, slot, y).view({n, k, C});

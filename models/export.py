@@ -251,6 +251,8 @@ def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTok
     # the source flattens its inputs and builds its output through these two pytree specs
     specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
     hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
+    for f, sha in hashes.items():
+        trust.remember(tmp / f, sha)  # the folder's rename keeps each file's stat
     meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
             "activations": activations, "source": source,
             "aliases": aliases, "sha256": hashes, "held": [list(h) for h in held], "held_bytes": held_bytes, **specs}

@@ -3,14 +3,16 @@
 A decode step at one stream reads every weight once, and with 4 KiB pages that is a TLB miss every 4 KiB
 of a stream the hardware prefetcher also stops at. Transparent huge pages are often granted only on
 request (`madvise` mode), so each large weight buffer asks for them, before its first touch; where the
-kernel says no, the buffer is an ordinary one.
+kernel says no, the buffer is an ordinary one. A saved artifact's weights are its file, mapped (map_file).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
 import json
+import mmap
 import os
 from pathlib import Path
 
@@ -18,6 +20,7 @@ import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # linux/mman.h
+MADV_POPULATE_READ = 22  # linux/mman.h, Linux 5.14
 
 
 @functools.cache
@@ -53,22 +56,45 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 
 def read_safetensors(path: Path, values: bool = True, small: int = 0) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, each read straight into its own empty_weight buffer: the file is never
-    mapped, so a load holds the weights once. Without `values`, the buffers of more than `small` bytes are
-    left unread and untouched: shapes for a compiler (compiled_program.py), which reads at most the values
-    of a few small tensors."""
+    """A safetensors file's tensors. With `values`, views of one private mapping of the file (map_file);
+    without, empty_weight buffers left unread but for those of at most `small` bytes: shapes for a
+    compiler (compiled_program.py), which reads at most the values of a few small tensors."""
     with open(path, "rb", buffering=0) as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
-        base = 8 + header_len
+        base, size = 8 + header_len, os.fstat(f.fileno()).st_size
+        mapped = map_file(f) if values else None
         tensors = {}
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             begin, end = info["data_offsets"]
-            out = empty_weight(tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]])
-            view = out.view(-1).view(torch.uint8).numpy() if out.numel() and (values or end - begin <= small) else None
-            if view is not None and os.preadv(f.fileno(), [view], base + begin) != end - begin:
+            shape, dtype = tuple(info["shape"]), SAFETENSORS_DTYPES[info["dtype"]]
+            if base + end > size:
                 raise OSError(f"{path}: tensor {name} ends past the end of the file")
+            if mapped is not None and end > begin and (base + begin) % dtype.itemsize == 0:
+                tensors[name] = torch.frombuffer(mapped, dtype=torch.uint8, count=end - begin, offset=base + begin
+                                                 ).view(dtype).view(shape)
+                continue
+            out = empty_weight(shape, dtype)
+            if out.numel() and (values or end - begin <= small):
+                os.preadv(f.fileno(), [out.view(-1).view(torch.uint8).numpy()], base + begin)
             tensors[name] = out
     return tensors
+
+
+def map_file(f) -> mmap.mmap:
+    """The whole of open file f, mapped privately, asked for 2 MiB pages and read in.
+
+    Why a mapping: a start from a cached artifact then takes the weights from the page cache where they
+    already are, instead of copying them into memory nothing has touched, which a VM backs page by page
+    as it is first written (docs/performance.md). Where the filesystem holds the file in 2 MiB folios
+    (ext4 on Linux 6.x), MADV_HUGEPAGE maps them whole, so a step's stream of weights sees no more TLB
+    misses than in huge anonymous pages. Private: a write to a weight, which nothing makes, would copy
+    its page, never change the file. Read in up front (MADV_POPULATE_READ), so a start from disk reports
+    healthy only once its first step will not wait on the disk."""
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    for advice in (mmap.MADV_HUGEPAGE, MADV_POPULATE_READ):
+        with contextlib.suppress(OSError):  # an older kernel: 4 KiB pages, read in by the first step
+            mapped.madvise(advice)
+    return mapped

@@ -50,7 +50,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="tokens a sequence may reach (default: the model's context)")
     p.add_argument("--session-sizing", choices=[s.value for s in Sizing], default=d.session_sizing.value)
     p.add_argument("--kv-budget", type=parse_bytes, default=d.kv_budget, help="bytes for all KV caches, e.g. 2GiB")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help="tokens per step (chunked prefill)")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens,
+                   help="tokens per step (chunked prefill); default 128, 256 for a mixture-of-experts model")
     p.add_argument("--mixed-prefill-tokens", type=int, default=d.mixed_prefill_tokens,
                    help="prefill tokens a step adds while others decode")
     p.add_argument("--max-running", type=int, default=d.max_running, help="sessions per step")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvcache import Sizing
 
@@ -23,6 +23,7 @@ def parse_bytes(text: str | int) -> int:
 
 
 KV_DTYPES = ("auto", "float32", "float16")
+DENSE_STEP_TOKENS, MOE_STEP_TOKENS = 128, 256  # EngineConfig.for_model
 POOLINGS = ("mean", "last")  # how an embedding pools its prompt's final hidden states (llama-server's --pooling)
 
 
@@ -34,7 +35,8 @@ class EngineConfig:
     max_model_len: int | None = None  # tokens a sequence may reach, prompt and reply; None: the model's context
     session_sizing: Sizing = Sizing.DYNAMIC
     kv_budget: int = 4 * 2**30  # bytes held by every installed cache together
-    max_batch_tokens: int = 128  # tokens a step: decodes first, then prefill chunks (docs/performance.md has the choice)
+    # tokens a step: decodes first, then prefill chunks; None: step_tokens(the model) (docs/performance.md)
+    max_batch_tokens: int | None = None
     mixed_prefill_tokens: int | None = 64  # prefill tokens a step adds beside decodes; None: what the budget leaves
     max_running: int = 64  # sessions per step
     max_queued: int = 256  # requests waiting for a running slot
@@ -68,12 +70,12 @@ class EngineConfig:
     peers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("session_capacity", "kv_budget", "max_batch_tokens", "max_running", "max_queued",
+        for name in ("session_capacity", "kv_budget", "max_running", "max_queued",
                      "session_ttl", "session_disk_ttl", "constraint_timeout", "mask_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_sessions_per_key", "max_running_per_key", "max_queued_per_key", "request_timeout",
-                     "mixed_prefill_tokens"):
+                     "mixed_prefill_tokens", "max_batch_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if any(w <= 0 for _, w in self.tenant_weights):
@@ -90,6 +92,15 @@ class EngineConfig:
         """A tenant's limit: max_sessions_per_key and the like, or the server-wide one it defaults to."""
         own = getattr(self, f"{name}_per_key")
         return getattr(self, name) if own is None else min(own, getattr(self, name))
+
+    def for_model(self, experts: int) -> EngineConfig:
+        """These settings with what depends on the model filled in: the step's tokens, 128 (the choice in
+        docs/performance.md), or 256 for a mixture-of-experts model (`experts` > 0), whose prefill chunk
+        is shared out over the experts: at 256 a chunk's rows an expert are twice as many, and its
+        tiles read each weight once for more of them."""
+        if self.max_batch_tokens is not None:
+            return self
+        return replace(self, max_batch_tokens=MOE_STEP_TOKENS if experts else DENSE_STEP_TOKENS)
 
     def context(self, model_context: int) -> int:
         """The tokens a sequence may reach: --max-model-len, which may not exceed the model's context."""

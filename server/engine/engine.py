@@ -42,6 +42,7 @@ class Engine(SessionOps, Admission):
     def __init__(self, model: LoadedModel, config: EngineConfig, registry: CacheRegistry = REGISTRY,
                  worker: ThreadPoolExecutor | None = None) -> None:
         c = model.config
+        config = config.for_model(c.n_experts)
         self.model, self.config, self.tokenizer = model, config, model.tokenizer
         layout = kv_layout(model, config.kv_dtype)
         self.pool = KVPool(registry, config.kv_budget, layout, config.shared_prefix_cache)

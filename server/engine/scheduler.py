@@ -43,6 +43,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, pool: KVPool, sessions: SessionStore, eos_ids: frozenset[int],
                  label_secret: bytes | None = None) -> None:
+        assert config.max_batch_tokens is not None, "EngineConfig.for_model fills in the step's tokens"
         self.config, self.pool, self.sessions, self.eos_ids = config, pool, sessions, eos_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

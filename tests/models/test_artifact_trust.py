@@ -1,14 +1,17 @@
 """An artifact's program.py is code that loading runs: kvserve runs only the programs it exported itself,
 unchanged, unless the user trusts the folder."""
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
-from models import load_model
+from models import load_model, trust
 from models.catalog import sha256_of
 from models.errors import ModelLoadError
 from models.export import PROGRAM_FILE, WEIGHTS_FILE, load_artifact, save_artifact
@@ -64,3 +67,34 @@ def test_changed_weights_are_refused(exported, tmp_path):
     (copy / WEIGHTS_FILE).write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match=f"{WEIGHTS_FILE} does not have the hash"):
         load_model(str(copy))
+
+
+def test_weights_changed_in_place_with_their_mtime_restored_are_refused(exported, tmp_path):
+    """A load knows a file it hashed before by its stat; a write moves the ctime, which nothing sets back."""
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    meta = json.loads((copy / "kvserve.json").read_text())
+    weights = copy / WEIGHTS_FILE
+    assert trust.has_hash(weights, meta["sha256"][WEIGHTS_FILE])  # hashed, and its stat recorded
+    before = weights.stat()
+    with open(weights, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_size == before.st_size and weights.stat().st_mtime_ns == before.st_mtime_ns
+    with pytest.raises(ModelLoadError, match=f"{WEIGHTS_FILE} does not have the hash"):
+        load_artifact(copy)
+
+
+def test_a_loaded_artifact_maps_its_weights_from_the_file(exported):
+    """The weights are views of the file's mapping, not a copy: the program's tensors hold the file's bytes."""
+    loaded = load_artifact(exported)
+    tensors = dict(loaded.forward.module.named_buffers())
+    big = max(tensors.values(), key=lambda t: t.numel())
+    saved = safetensors.torch.load_file(str(exported / WEIGHTS_FILE))
+    name = next(n for n, t in tensors.items() if t is big)
+    assert torch.equal(saved[name], big)
+    maps = Path(f"/proc/{os.getpid()}/maps").read_text()
+    assert str((exported / WEIGHTS_FILE).resolve()) in maps

@@ -6,7 +6,7 @@ import pytest
 
 from models import load_model
 from models.quant import model_kernels_available
-from server.config import EngineConfig
+from server.config import MOE_STEP_TOKENS, EngineConfig
 from server.engine.drafts import SpeculationConfig
 
 from ..live_server import LiveServer, metric
@@ -27,6 +27,7 @@ def moe_server(request, tmp_path_factory, smollm):
     model = load_model(str(path), weights="auto", use_cache=False)
     assert dict(model.held).get("Q8_0", 0) >= 3 * model.config.n_layers  # the experts too, as stored
     with LiveServer(model, WIDE) as server:
+        assert server.engine.config.max_batch_tokens == MOE_STEP_TOKENS  # prefill chunks shared out over experts
         yield server
 
 

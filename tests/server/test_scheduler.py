@@ -16,7 +16,7 @@ EOS = 0
 
 
 def make(budget_tokens=10_000, **kw):
-    config = EngineConfig(kv_budget=budget_tokens * LAYOUT.bytes_per_token(), **kw)
+    config = EngineConfig(kv_budget=budget_tokens * LAYOUT.bytes_per_token(), **kw).for_model(experts=0)
     registry = CacheRegistry()
     pool = KVPool(registry, config.kv_budget, LAYOUT)
     sessions = SessionStore(100)

@@ -2,15 +2,14 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from . import template_env
 from .config import UnsupportedModel
 
 GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -91,10 +90,6 @@ class TokenizerMeta:
     extra: dict[str, str] = field(default_factory=dict)  # other special tokens the template may name
 
 
-def _raise(message: str):
-    raise TemplateError(message)
-
-
 class TextTokenizer:
     """Encodes, decodes and renders chat prompts for one model."""
 
@@ -104,12 +99,7 @@ class TextTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = tokenizer.token_to_id(meta.bos_token) if meta.bos_token else None
         self.eos_ids = frozenset(meta.eos_ids)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        # as transformers gives templates: gpt-oss's writes today's date into its system message
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        self._template = env.from_string(meta.chat_template) if meta.chat_template else None
+        self._template = template_env.environment().from_string(meta.chat_template) if meta.chat_template else None
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -126,21 +116,24 @@ class TextTokenizer:
         return "tools" in (self.meta.chat_template or "")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[dict[str, Any]] | None = None, documents: list[dict[str, Any]] | None = None) -> str:
         if self._template is None:
             # A model without a template gets plain "role: content" lines, as llama.cpp does for raw models.
             body = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return body + ("assistant: " if add_generation_prompt else "")
         try:
             return self._template.render(
-                messages=messages,
+                messages=template_env.template_messages(messages),
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
+                documents=documents,
                 bos_token=self.meta.bos_token or "",
                 eos_token=self.meta.eos_token or "",
                 **self.meta.extra,
             )
-        except TemplateError as e:
+        # a template's own failure on what it was given (raise_exception, or None iterated, a key missing):
+        # the request's to fix, never the server's
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
 
     def save(self, folder: Path) -> None:

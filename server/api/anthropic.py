@@ -80,7 +80,7 @@ def _chat_messages(m: Message, where: str) -> list[dict]:
                 text = []
             out.append(_tool_message(b, at))
     if text or calls or not out:
-        out.append({"role": m.role, "content": text, **({"tool_calls": calls} if calls else {}),
+        out.append({"role": m.role, "content": text or (None if calls else []), **({"tool_calls": calls} if calls else {}),
                     **({"reasoning_content": "\n\n".join(thought)} if thought else {})})
     return out
 

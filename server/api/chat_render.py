@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from models.tokenizer import TextTokenizer
 
 from . import chat_template, tool_formats, tools
+from .chat_messages import chat_messages
 from .reasoning import opens_thought
 from .reply import ReplyReader
 from .schemas import ChatCompletionRequest
@@ -27,7 +28,7 @@ def render_chat(tok: TextTokenizer, body: ChatCompletionRequest | TokenizeReques
                 prefill: bool = False) -> RenderedChat:
     """`prefill`: a final assistant message is the start of the reply, which continues it (Anthropic's)."""
     fmt = tool_formats.format_for(tok.meta.chat_template)
-    messages, template_tools = tools.chat_messages(body, tok.template_has_tools, fmt.history)
+    messages, template_tools = chat_messages(body, tok.template_has_tools, fmt.history)
     start = messages.pop()["content"] if prefill and messages[-1]["role"] == "assistant" else ""
     # the request's own template variables win over those its reasoning effort makes
     variables = {**(chat_template.effort_variables(tok, body.reasoning_effort, "reasoning_effort") or {}),

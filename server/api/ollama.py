@@ -83,6 +83,19 @@ def _call_id(call, i: int, j: int) -> str:
     return call.id or f"call_{i}_{j}"
 
 
+def chat_request(body: OllamaChatRequest, variables: dict | None) -> ChatCompletionRequest:
+    """The OpenAI-shaped chat an /api/chat request means: a reply of calls alone with no content, as OpenAI's
+    come back, and each result named by its tool."""
+    return ChatCompletionRequest(messages=[{
+        "role": m.role, "content": None if m.tool_calls and not m.content else m.content or "",
+        "reasoning_content": m.thinking, "tool_call_id": answers, "name": m.tool_name if m.role == "tool" else None,
+        "tool_calls": [{"id": _call_id(c, i, j), "function": {"name": c.function.name,
+                                                            "arguments": json.dumps(c.function.arguments)}}
+                       for j, c in enumerate(m.tool_calls)] if m.tool_calls else None,
+    } for i, (m, answers) in enumerate(zip(body.messages, _tool_call_ids(body.messages)))],
+        tools=body.tools or None, chat_template_kwargs=variables)
+
+
 async def _start(http: HttpRequest, body, prompt: list[int], reader: ReplyReader, tools_offered: bool = False) -> Sequence:
     """Submit the prompt with the request's options; `num_ctx` bounds the prompt and its reply together."""
     engine = generation.engine_of(http)
@@ -126,14 +139,7 @@ async def chat(body: OllamaChatRequest, http: HttpRequest):
     if not body.messages:
         return _loaded(body.model, True, body.stream, body.unloads)
     tok = generation.engine_of(http).tokenizer
-    as_openai = ChatCompletionRequest(messages=[{
-        "role": m.role, "content": m.content or "", "reasoning_content": m.thinking, "tool_call_id": answers,
-        "tool_calls": [{"id": _call_id(c, i, j), "function": {"name": c.function.name,
-                                                            "arguments": json.dumps(c.function.arguments)}}
-                       for j, c in enumerate(m.tool_calls)] if m.tool_calls else None,
-    } for i, (m, answers) in enumerate(zip(body.messages, _tool_call_ids(body.messages)))],
-        tools=body.tools or None, chat_template_kwargs=variables)
-    rendered = chat_render.render_chat(tok, as_openai)
+    rendered = chat_render.render_chat(tok, chat_request(body, variables))
     reader = rendered.reader if body.format in (None, "") else rendered.reader.constrained()
     req = await _start(http, body, rendered.ids, reader, tools_offered=bool(reader.names))
     return await respond(OllamaReply(http, req, body.model, True, reader), body.stream)

@@ -46,7 +46,7 @@ def _messages(body: ResponseRequest, conversation: list[dict]) -> list[dict]:
             if messages and messages[-1]["role"] == "assistant" and not thought:  # calls join the reply's text they came with
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
-                messages.append(reply({"role": "assistant", "content": "", "tool_calls": [call]}))
+                messages.append(reply({"role": "assistant", "content": None, "tool_calls": [call]}))
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages

@@ -27,42 +27,6 @@ TOOLS_PROMPT = (
 )
 
 
-def chat_messages(body: ChatCompletionRequest, template_has_tools: bool,
-                  history: Callable[[ChatMessage], dict[str, Any]] | None = None) -> tuple[list[dict], list[dict] | None]:
-    """The messages as the chat template takes them (each through `history`, the tool format's way of writing
-    earlier calls and results; Hermes's by default), and the tools for a template that renders its own, in
-    transformers' shape ({"type": "function", "function": ...}: Mistral's templates read `tool.function`)."""
-    tools = [t.function.model_dump(exclude_none=True) for t in body.tools or []] if offers_tools(body) else []
-    out = [(history or plain_message)(m) for m in body.messages]
-    if tools and not template_has_tools:
-        described = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if out and out[0]["role"] == "system":
-            out[0]["content"] += "\n\n" + described
-        else:
-            out.insert(0, {"role": "system", "content": described})
-    return out, ([{"type": "function", "function": t} for t in tools] if tools and template_has_tools else None)
-
-
-def plain_message(m: ChatMessage) -> dict[str, Any]:
-    """A message as the chat template takes it: earlier tool calls and tool results in the Hermes format, and
-    an earlier reply's reasoning as `reasoning_content` (Qwen3's template writes the latest turns' back)."""
-    content = m.text()
-    for call in m.tool_calls or []:
-        content += f"{OPEN_TAG}\n" + json.dumps({"name": call.function.name, "arguments": _arguments(call.function.arguments)},
-                                                ensure_ascii=False) + "\n</tool_call>\n"
-    if m.role == "tool":
-        content = f"<tool_response>\n{content}\n</tool_response>"
-    out = {"role": "system" if m.role == "developer" else m.role, "content": content}
-    return {**out, "reasoning_content": m.reasoning_content} if m.reasoning_content else out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def offers_tools(body: ChatCompletionRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 

@@ -76,27 +76,3 @@ def json_values(text: str) -> list[Any] | None:
         except json.JSONDecodeError:
             return None
         values.append(value)
-
-
-def arguments_value(text: str) -> Any:
-    """An earlier call's arguments as the template takes them: the object its JSON text holds."""
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def structured_message(m: ChatMessage, call_id: Callable[[str], str] = lambda i: i) -> dict[str, Any]:
-    """A message for a template that renders tool calls and results itself (Llama 3's, Mistral's): its calls
-    as `tool_calls` with their arguments as objects, a tool result bare with the call it answers, as
-    transformers passes them (the key only where there are calls: Llama 3's template tests for it)."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-    if m.tool_calls:
-        out["tool_calls"] = [{"id": call_id(c.id), "type": "function",
-                              "function": {"name": c.function.name, "arguments": arguments_value(c.function.arguments)}}
-                             for c in m.tool_calls]
-    if m.role == "tool" and m.tool_call_id:
-        out["tool_call_id"] = call_id(m.tool_call_id)
-    if m.reasoning_content:
-        out["reasoning_content"] = m.reasoning_content
-    return out

@@ -32,7 +32,8 @@ from typing import Any
 
 from ..reasoning import partial_tag
 from ..schemas import ChatMessage
-from .base import ToolFormat, openai_call, structured_message
+from ..chat_messages import structured_message
+from .base import ToolFormat, openai_call
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"

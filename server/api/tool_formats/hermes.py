@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from .. import tools
 from ..tool_stream import ToolCallStream
+from ..chat_messages import structured_message
 from .base import ToolFormat
 
 FORMAT = ToolFormat(
     name="hermes",
     parse=lambda text, names: tools.parse_tool_calls(text, names),
     stream=lambda names: ToolCallStream(names, False),
-    history=tools.plain_message,
+    history=structured_message,
 )
 FORCED = ToolFormat(  # a reply a forced tool_choice's grammar wrote: calls only
     name="hermes-forced",
     parse=lambda text, names: tools.parse_tool_calls(text, names, True),
     stream=lambda names: ToolCallStream(names, True),
-    history=tools.plain_message,
+    history=structured_message,
 )

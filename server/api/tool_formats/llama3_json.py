@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import ToolFormat, json_values, openai_call, structured_message
+from ..chat_messages import structured_message
+from .base import ToolFormat, json_values, openai_call
 from .held_stream import HeldCallStream
 
 PYTHON_TAG = "<|python_tag|>"

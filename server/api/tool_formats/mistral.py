@@ -12,7 +12,8 @@ from typing import Any
 
 from ..reasoning import partial_tag
 from ..schemas import ChatMessage
-from .base import ToolFormat, json_values, openai_call, structured_message
+from ..chat_messages import structured_message
+from .base import ToolFormat, json_values, openai_call
 from .held_stream import HeldCallStream
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"

@@ -25,7 +25,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..reasoning import partial_tag
-from .base import ToolFormat, openai_call, structured_message
+from ..chat_messages import structured_message
+from .base import ToolFormat, openai_call
 from .held_stream import HeldCallStream
 
 CALL, CALL_END, FUNCTION, FUNCTION_END = "<tool_call>", "</tool_call>", "<function=", "</function>"

@@ -1,0 +1,237 @@
+"""Every real chat template in llama.cpp's models/templates/ (the sdist the suite already downloads), each
+conversation of an agent's life, sent in each dialect's own shape: kvserve renders the same token ids as
+transformers' apply_chat_template renders for the same chat, as transformers' documentation writes it
+(tool calls with their arguments as objects, results with the call's id and the tool's name).
+
+What differs is listed below with its reason; a listed case that comes to agree fails too, so the list
+stays true. SmolLM2's vocabulary encodes both sides: a template's own control tokens are plain text in it,
+which compares the rendered text all the same."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from models.tokenizer import TextTokenizer
+from server.api import anthropic, chat_render, ollama
+from server.api.anthropic_schemas import CountTokensRequest
+from server.errors import InvalidRequest
+from server.api.ollama_schemas import OllamaChatRequest
+from server.api.responses_chat import chat_request as responses_chat
+from server.api.responses_items import input_items
+from server.api.responses_schemas import ResponseRequest
+from server.api.schemas import ChatCompletionRequest
+
+from ..models.gguf_files import llama_cpp_source
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+ASK = ("user", "What is the weather in Paris?")
+# a turn: (role, text); ("calls", [(id, name, arguments)], reasoning or None); ("result", id, name, text);
+# ("reply", text, reasoning). A reply of calls alone has the empty text (OpenAI's clients send null, which
+# Qwen3's and LFM2's templates fail on under transformers). Ids are Mistral's nine letters and digits, which its templates insist on.
+CONVERSATIONS = {
+    "plain": ([ASK], None),
+    "system": ([("system", "Answer briefly."), ASK], None),
+    "tools": ([ASK], [WEATHER]),
+    "one_call": ([ASK, ("calls", [("callA0001", "get_weather", {"city": "Paris"})], None),
+                  ("result", "callA0001", "get_weather", "sunny, 24 C")], [WEATHER]),
+    "parallel": ([ASK, ("calls", [("callA0001", "get_weather", {"city": "Paris"}), ("callA0002", "get_time", {"city": "Paris"})],
+                        None),
+                  ("result", "callA0001", "get_weather", "sunny, 24 C"), ("result", "callA0002", "get_time", "10:00")],
+                 [WEATHER, TIME]),
+    "reasoning": ([ASK, ("reply", "Sunny.", "The user wants the weather."), ("user", "And in Rome?")], None),
+    "agent_loop": ([("system", "You are a travel agent."), ASK,
+                    ("calls", [("callA0001", "get_weather", {"city": "Paris"})], None),
+                    ("result", "callA0001", "get_weather", "sunny, 24 C"),
+                    ("calls", [("callA0002", "get_time", {"city": "Paris"})], None),
+                    ("result", "callA0002", "get_time", "10:00"),
+                    ("reply", "Sunny, and it is 10:00.", None), ("user", "And in Rome?")], [WEATHER, TIME]),
+}
+DIALECTS = ("openai", "responses", "anthropic", "ollama")
+CALLS = ("one_call", "parallel", "agent_loop")
+
+# (template, conversation or "*", dialect or "*") -> why kvserve renders otherwise, or transformers cannot
+NO_TOOLS = "the template renders no tools: kvserve describes them, and earlier calls, in the Hermes format"
+TEMPLATE_ERROR = "the template itself fails under transformers too; kvserve answers 400 with its message"
+ARGUMENTS_AS_TEXT = TEMPLATE_ERROR + " (it adds a call's arguments to text: transformers' objects fail it)"
+LISTED = {
+    ("HuggingFaceTB-SmolLM3-3B", "*"): NO_TOOLS, ("microsoft-Phi-3.5-mini-instruct", "*"): NO_TOOLS,
+    ("deepseek-ai-DeepSeek-R1-Distill-Llama-8B", "*"): NO_TOOLS, ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "*"): NO_TOOLS,
+    ("deepseek-ai-DeepSeek-V3.1", "*"): NO_TOOLS, ("llama-cpp-deepseek-r1", "*"): NO_TOOLS,
+    ("llama-cpp-rwkv-world", "*"): NO_TOOLS, ("google-gemma-2-2b-it", "*"): NO_TOOLS + "; it refuses a system role",
+    ("CohereForAI-c4ai-command-r-plus-tool_use", "*"): TEMPLATE_ERROR + " (it needs tools, and a description of each)",
+    ("fireworks-ai-llama-3-firefunction-v2", "*"): TEMPLATE_ERROR + " (it reads `functions`, not `tools`)",
+    ("NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use", "*"): TEMPLATE_ERROR + " (it iterates `tools` unoffered)",
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "*"): TEMPLATE_ERROR + " (it iterates `tools` unoffered)",
+    ("meetkai-functionary-medium-v3.2", "one_call"): ARGUMENTS_AS_TEXT,
+    ("meetkai-functionary-medium-v3.2", "parallel"): ARGUMENTS_AS_TEXT,
+    ("meetkai-functionary-medium-v3.2", "agent_loop"): ARGUMENTS_AS_TEXT,
+    ("Kimi-K2-Instruct", "*"): TEMPLATE_ERROR + " (list.append is unsafe in the sandbox)",
+    ("Kimi-K2-Thinking", "*"): TEMPLATE_ERROR + " (list.append is unsafe in the sandbox)",
+    ("meta-llama-Llama-3.1-8B-Instruct", "parallel"): TEMPLATE_ERROR + " (one call at a time)",
+    ("meta-llama-Llama-3.2-3B-Instruct", "parallel"): TEMPLATE_ERROR + " (one call at a time)",
+    ("meta-llama-Llama-3.3-70B-Instruct", "parallel"): TEMPLATE_ERROR + " (one call at a time)",
+}
+
+
+def listed(template: str, conversation: str, dialect: str) -> str | None:
+    for key in ((template, "*"), (template, conversation), (template, conversation, dialect)):
+        if key in LISTED:
+            return LISTED[key]
+    return None
+
+
+def reference_messages(turns: list) -> list[dict]:
+    """The chat as transformers' documentation writes it."""
+    out = []
+    for turn in turns:
+        if turn[0] == "calls":
+            calls = [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in turn[1]]
+            out.append({"role": "assistant", "content": "", "tool_calls": calls,
+                        **({"reasoning_content": turn[2]} if turn[2] else {})})
+        elif turn[0] == "result":
+            out.append({"role": "tool", "tool_call_id": turn[1], "name": turn[2], "content": turn[3]})
+        elif turn[0] == "reply":
+            out.append({"role": "assistant", "content": turn[1], **({"reasoning_content": turn[2]} if turn[2] else {})})
+        else:
+            out.append({"role": turn[0], "content": turn[1]})
+    return out
+
+
+def openai_request(turns: list, tools: list | None) -> ChatCompletionRequest:
+    messages = []
+    for turn in turns:
+        if turn[0] == "calls":
+            messages.append({"role": "assistant", "content": None, "reasoning_content": turn[2], "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}} for i, n, a in turn[1]]})
+        elif turn[0] == "result":  # OpenAI's results name only the call
+            messages.append({"role": "tool", "tool_call_id": turn[1], "content": turn[3]})
+        elif turn[0] == "reply":
+            messages.append({"role": "assistant", "content": turn[1], "reasoning_content": turn[2]})
+        else:
+            messages.append({"role": turn[0], "content": turn[1]})
+    return ChatCompletionRequest(messages=messages, tools=tools)
+
+
+def responses_request(turns: list, tools: list | None) -> ChatCompletionRequest:
+    items = []
+    for turn in turns:
+        if turn[0] in ("calls", "reply") and turn[2]:
+            items.append({"type": "reasoning", "id": "rs_1", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": turn[2]}]})
+        if turn[0] == "calls":
+            items += [{"type": "function_call", "call_id": i, "name": n, "arguments": json.dumps(a)} for i, n, a in turn[1]]
+        elif turn[0] == "result":
+            items.append({"type": "function_call_output", "call_id": turn[1], "output": turn[3]})
+        elif turn[0] == "reply":
+            items.append({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": turn[1]}]})
+        else:
+            items.append({"type": "message", "role": turn[0], "content": [{"type": "input_text", "text": turn[1]}]})
+    body = ResponseRequest(input=items, tools=[{"type": "function", **t["function"]} for t in tools or []] or None)
+    return responses_chat(body, input_items(body.input), thinks=False)
+
+
+def anthropic_request(turns: list, tools: list | None) -> ChatCompletionRequest:
+    system, messages = None, []
+    for turn in turns:
+        if turn[0] == "system":
+            system = turn[1]
+        elif turn[0] in ("calls", "reply"):
+            blocks = [{"type": "thinking", "thinking": turn[2], "signature": ""}] if turn[2] else []
+            blocks += [{"type": "text", "text": turn[1]}] if turn[0] == "reply" else [
+                {"type": "tool_use", "id": i, "name": n, "input": a} for i, n, a in turn[1]]
+            messages.append({"role": "assistant", "content": blocks})
+        elif turn[0] == "result":
+            result = {"type": "tool_result", "tool_use_id": turn[1], "content": turn[3]}
+            if messages and messages[-1]["role"] == "user" and isinstance(messages[-1]["content"], list):
+                messages[-1]["content"].append(result)
+            else:
+                messages.append({"role": "user", "content": [result]})
+        else:
+            messages.append({"role": "user", "content": turn[1]})
+    body = CountTokensRequest(model="m", system=system, messages=messages, tools=[
+        {"name": t["function"]["name"], "description": t["function"]["description"],
+         "input_schema": t["function"]["parameters"]} for t in tools or []] or None)
+    return anthropic.chat_request(body)
+
+
+def ollama_request(turns: list, tools: list | None) -> ChatCompletionRequest:
+    messages = []
+    for turn in turns:
+        if turn[0] == "calls":
+            messages.append({"role": "assistant", "content": "", "thinking": turn[2], "tool_calls": [
+                {"id": i, "function": {"name": n, "arguments": a}} for i, n, a in turn[1]]})
+        elif turn[0] == "result":
+            messages.append({"role": "tool", "tool_name": turn[2], "content": turn[3]})
+        elif turn[0] == "reply":
+            messages.append({"role": "assistant", "content": turn[1], "thinking": turn[2]})
+        else:
+            messages.append({"role": turn[0], "content": turn[1]})
+    return ollama.chat_request(OllamaChatRequest(model="m", messages=messages, tools=tools), None)
+
+
+REQUESTS = {"openai": openai_request, "responses": responses_request, "anthropic": anthropic_request,
+            "ollama": ollama_request}
+
+
+@pytest.fixture(scope="module")
+def templates() -> Path:
+    return llama_cpp_source() / "models" / "templates"
+
+
+def template_names() -> list[str]:
+    """The templates of the sdist's llama.cpp (listed at collection: the folder is fetched by then or not)."""
+    try:
+        folder = llama_cpp_source() / "models" / "templates"
+    except Exception:  # noqa: BLE001 - collected without the network: the test then fails in its fixture
+        return ["Qwen-Qwen3-0.6B"]
+    return sorted(p.stem for p in folder.glob("*.jinja"))
+
+
+@pytest.mark.parametrize("template", template_names())
+def test_every_conversation_in_every_dialect_renders_as_transformers_renders_it(template, templates, smollm):
+    from transformers import PreTrainedTokenizerFast
+
+    source = (templates / f"{template}.jinja").read_text()
+    base = smollm.tokenizer
+    tok = TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source))
+    hf = PreTrainedTokenizerFast(tokenizer_object=base.tokenizer, bos_token=base.meta.bos_token,
+                                 eos_token=base.meta.eos_token)
+    hf.chat_template = source
+    unexpected, agreed_listed = [], []
+    for name, (turns, tools) in CONVERSATIONS.items():
+        for dialect in DIALECTS:
+            why = listed(template, name, dialect)
+            # Anthropic's requests say whether to think: without `thinking`, the template's switch is off
+            kwargs = {"enable_thinking": False} if dialect == "anthropic" else {}
+            try:
+                want = hf.apply_chat_template(reference_messages(turns), tools=tools, add_generation_prompt=True,
+                                              tokenize=True, return_dict=False, **kwargs)
+            except Exception as e:  # noqa: BLE001 - the template's own failure: listed, or a finding
+                want = f"transformers fails: {e}"
+            try:
+                got = chat_render.render_chat(tok, REQUESTS[dialect](turns, tools)).ids
+            except InvalidRequest as e:
+                got = f"kvserve answers 400: {e}"
+            if got == want and why is not None and isinstance(want, list):
+                agreed_listed.append((name, dialect))
+            elif got != want and why is None:
+                unexpected.append((name, dialect, _first_difference(tok, got, want)))
+    assert not unexpected, f"{template}: renders otherwise than transformers: {unexpected}"
+    if any(key[0] == template for key in LISTED) and LISTED.get((template, "*")) is None:
+        assert not agreed_listed, f"{template}: listed, but agrees: {agreed_listed}"
+
+
+def _first_difference(tok: TextTokenizer, got, want) -> str:
+    if isinstance(got, str) or isinstance(want, str):
+        return f"{str(got)[:120]} | {str(want)[:120]}"
+    a, b = tok.decode(got, skip_special=False), tok.decode(want, skip_special=False)
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"at {at}: kvserve {a[max(0, at - 40):at + 60]!r} | transformers {b[max(0, at - 40):at + 60]!r}"

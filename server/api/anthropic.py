@@ -165,6 +165,7 @@ async def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], fo
         stop=stop,
         grammar=grammar,
         stop_repeats=tools.CALL_END if forced is not None else None,
+        whole_output=forced is not None,
     )
     params = reader.sampling(params)
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params,

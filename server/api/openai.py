@@ -16,7 +16,7 @@ from ..engine.constraints import Grammars
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest, NotFound, quoted
-from . import chat_choices, chat_render, generation, model_names, tools
+from . import chat_choices, chat_render, generation, model_names, tool_formats, tools
 from .choice_stream import OPENAI_REASONS, ChoiceStream, usage
 from .schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _OpenAISampling
 from .tokenize_schemas import TokenizeRequest
@@ -44,6 +44,7 @@ def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int |
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         grammar=grammar,
         stop_repeats=tools.CALL_END if forced_calls else None,
+        whole_output=forced_calls,
     )
 
 
@@ -250,7 +251,15 @@ def _model(http: HttpRequest, name: str) -> dict:
         "owned_by": "kvserve",
         "max_model_len": generation.engine_of(http).max_context,
         "tensor_types": dict(generation.engine_of(http).model.held),  # what it holds, as stored unless --weights asked
+        "chat_template": _template_info(generation.engine_of(http).tokenizer),
     }
+
+
+def _template_info(tok) -> dict:
+    """How tools reach the model: written by its template in its own format, or, for a template that has
+    none, described by kvserve in the Hermes format (and earlier calls and results written so)."""
+    return {"tool_format": tool_formats.format_for(tok.meta.chat_template).name,
+            "tools_written_by": "template" if tok.template_has_tools else "kvserve"}
 
 
 @router.get("/v1/models")

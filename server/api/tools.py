@@ -18,7 +18,7 @@ from ..errors import InvalidRequest
 from .schemas import ChatCompletionRequest, ChatMessage
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-CALL_END = "</tool_call>\n"  # what ends each call of a forced reply (Grammars.tool_calls's layout)
+CALL_END = "</tool_call>"  # what ends each call of a forced reply (Grammars.tool_calls's layout)
 TOOLS_PROMPT = (
     "You can call functions. They are described, one JSON object each, between <tools> and </tools>:\n"
     "<tools>\n{tools}\n</tools>\n"

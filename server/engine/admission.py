@@ -30,6 +30,8 @@ class Admission:
         longest common prefix of its history and prefills the rest. resend=False: `prompt` continues
         the session's history."""
         constraint = self.grammars.matcher(params.grammar)
+        if constraint is not None and params.whole_output and params.max_tokens is not None:
+            constraint.check_fits(params.max_tokens)
         with self.lock:
             req = self._submit(session, prompt, params, resend, constraint, scheduling)
         self._wake.set()
@@ -98,6 +100,9 @@ class Admission:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
         constraints = [self.grammars.matcher(p.grammar) for p in params]
+        for p, constraint in zip(params, constraints):
+            if constraint is not None and p.whole_output and p.max_tokens is not None:
+                constraint.check_fits(p.max_tokens)
         reqs: list[Sequence] = []
         with self.lock:
             self.scheduler.check_room(owner_id(owner), len(params))

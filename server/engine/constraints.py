@@ -26,7 +26,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from models.tokenizer import TextTokenizer
 
 from ..errors import InvalidRequest
-from .closing import OPEN, WINDOW, Ending, Vocabulary, nest
+from .closing import MAX_ENDING, OPEN, WINDOW, Ending, Vocabulary, nest
 from .constraint_limits import check_grammar, check_regex, check_schema, check_size, check_tools
 from .grammar_ends import can_end
 from .grammar_worker import LIMITS, ConstraintRefused, GrammarWorkers
@@ -127,7 +127,11 @@ class Grammars:
                           "required": ["name", "arguments"], "additionalProperties": False})
         root = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = json.dumps({**root, **({"$defs": defs} if defs else {}), "x-guidance": JSON_LAYOUT})
-        lark = f'start: call{"+" if parallel else ""}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>\\n"'
+        # calls as Hermes templates write them, a newline between two: after a call's close the model weighs
+        # its end against another call where it was trained to (with a newline forced there first, a small
+        # model goes on to call again)
+        more = ' ("\\n" call)*' if parallel else ""
+        lark = f'start: call{more}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>"'
         check_size(lark, param)
         return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_lark(lark), param)
 
@@ -219,6 +223,18 @@ class Constraint:
         self._left = 0  # the tokens left at the last mask
         self.failed = False  # the grammar allowed no token at all (or a mask overran): the reply cannot meet it
         self.dead_after: int | None = None  # this step's first draft row whose grammar allowed nothing
+
+    def check_fits(self, max_tokens: int) -> None:
+        """Refuse (InvalidRequest) a reply whose grammar's shortest output found from the start takes more
+        than its `max_tokens`: a forced tool call could only end cut off, with no call."""
+        if max_tokens >= MAX_ENDING:
+            return
+        if self.ending.search(self.matcher.deep_copy(), self.nesting, max_tokens) is not None:
+            return
+        shortest = self.ending.search(self.matcher.deep_copy(), self.nesting, MAX_ENDING)
+        if shortest is not None:
+            raise InvalidRequest(f"max_tokens {max_tokens} is too few for the forced tool call: its shortest form "
+                                 f"takes {len(shortest)} tokens", param="max_tokens")
 
     def allowed(self, left: int) -> np.ndarray:
         """bool [vocab]: the tokens that keep the output within the grammar (EOS once it is complete), with

@@ -36,6 +36,9 @@ class SamplingParams:
     # The text that ends each block of a reply made of blocks (a forced tool call's): a block identical to an
     # earlier one ends the reply before it, as a stop string would, so a call is never repeated to the limit
     stop_repeats: str | None = None
+    # The grammar's output is wanted whole (a forced tool call): a max_tokens too few for its shortest form is
+    # refused before a token runs, where other grammars' output is cut at max_tokens as vLLM cuts it
+    whole_output: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's plus the top k

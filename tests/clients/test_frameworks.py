@@ -112,6 +112,33 @@ def test_openai_agents_two_turns_by_previous_response_id(fast_server):
     assert second.raw_responses[0].usage.input_tokens > first.raw_responses[0].usage.input_tokens
 
 
+@pytest.mark.timeout(300)
+def test_openai_agents_forced_tool_loop_within_80_tokens_a_turn(fast_server):
+    """tool_choice "required" with max_tokens 80 on every turn: each of three turns' responses completes
+    with a call (written compactly) and the loop runs its tool each time, never `incomplete`."""
+    from agents import Runner
+    from agents.exceptions import MaxTurnsExceeded
+
+    async def run():
+        client, agent = _agents_agent(fast_server.url)
+        # (reset_tool_choice off: every turn is forced, so the run takes all three turns)
+        agent = agent.clone(reset_tool_choice=False, model_settings=agent.model_settings.resolve(
+            agent.model_settings.__class__(tool_choice="required", max_tokens=80)))
+        async with client:
+            try:
+                return await Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+            except MaxTurnsExceeded as e:  # the model may call again each turn: the turns it ran are the point
+                return e.run_data
+
+    result = asyncio.run(run())
+    responses = result.raw_responses
+    assert len(responses) == 3, result
+    calls = [i for i in result.new_items if i.type == "tool_call_item"]
+    assert calls and calls[0].raw_item.name == "weather"
+    assert all(r.usage.output_tokens <= 80 for r in responses)
+    assert len([i for i in result.new_items if i.type == "tool_call_output_item"]) >= 3
+
+
 # ---------------------------------------------------------------- instructor
 
 def _instructor(url, mode):

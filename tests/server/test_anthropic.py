@@ -136,16 +136,17 @@ def test_a_streamed_tool_use_sends_its_input_as_json_deltas(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_tool_call_cut_by_max_tokens_stops_for_max_tokens_without_markup(client, stream):
+def test_a_forced_tool_call_that_cannot_fit_max_tokens_is_refused(client, stream):
+    """No call fits 12 tokens: an invalid_request_error naming what the shortest takes, not a cut reply."""
     kw = dict(model=MODEL, extra_body=GREEDY, max_tokens=12, messages=ASK_WEATHER, tools=[WEATHER],
               tool_choice={"type": "any"})
-    if not stream:
-        r = client.messages.create(**kw)
-        assert r.stop_reason == "max_tokens" and r.content == []  # the one call was cut: nothing complete to keep
-        return
-    with client.messages.stream(**kw) as s:
-        final = s.get_final_message()
-    assert final.stop_reason == "max_tokens" and all(b.type == "tool_use" for b in final.content)
+    with pytest.raises(anthropic.BadRequestError, match=r"shortest form takes \d+ tokens") as refused:
+        if stream:
+            with client.messages.stream(**kw) as s:
+                s.get_final_message()
+        else:
+            client.messages.create(**kw)
+    assert refused.value.body["error"]["type"] == "invalid_request_error"
 
 
 def test_a_tool_loop_feeds_the_result_back_for_a_final_answer(client):

@@ -2,6 +2,7 @@
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -173,18 +174,48 @@ def test_a_streamed_tool_call_comes_as_argument_deltas_the_sdk_rebuilds(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_required_call_cut_by_max_tokens_finishes_with_length_and_no_markup(client, stream):
-    kw = dict(tools=[WEATHER, TIME], tool_choice="required", max_tokens=15)
-    if not stream:
-        choice = ask(client, "What is the weather in Paris?", **kw).choices[0]
-        assert choice.finish_reason == "length" and choice.message.content is None
-        assert not choice.message.tool_calls  # the one call was cut: nothing complete to keep
-        return
-    content, reason = "", None
-    for chunk in ask(client, "What is the weather in Paris?", stream=True, **kw):
-        content += chunk.choices[0].delta.content or ""
-        reason = chunk.choices[0].finish_reason or reason
-    assert reason == "length" and "<tool_call>" not in content and not content
+def test_a_required_call_too_long_for_max_tokens_is_refused_before_it_runs(client, stream):
+    """No call fits 15 tokens: a 400 naming the tokens the shortest takes, not a reply cut to nothing."""
+    with pytest.raises(openai.BadRequestError, match=r"shortest form takes (\d+) tokens") as refused:
+        ask(client, "What is the weather in Paris?", tools=[WEATHER, TIME], tool_choice="required", max_tokens=15,
+            stream=stream)
+    needed = int(re.search(r"takes (\d+) tokens", str(refused.value)).group(1))
+    r = ask(client, "What is the weather in Paris?", tools=[WEATHER, TIME], tool_choice="required", max_tokens=needed,
+            parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls" and len(r.choices[0].message.tool_calls) == 1  # and it fits
+
+
+CITY = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+
+
+def compact_tokens(server, calls) -> int:
+    """The tokens of the calls written as compactly as the format allows."""
+    text = "\n".join("<tool_call>\n" + json.dumps({"name": c.function.name, "arguments": json.loads(c.function.arguments)})
+                     + "\n</tool_call>" for c in calls)
+    return httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": text,
+                                                      "add_special_tokens": False}).json()["count"]
+
+
+@pytest.mark.parametrize("max_tokens", [80, 40])
+def test_a_forced_call_costs_about_its_compact_text(client, fast_server, max_tokens):
+    """One call, written as compactly as its format allows: no free whitespace."""
+    r = ask(client, "What is the weather in Paris?", tools=[CITY], tool_choice="required", max_tokens=max_tokens,
+            parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["get_weather"]
+    assert r.usage.completion_tokens <= 1.3 * compact_tokens(fast_server, calls), r.usage
+
+
+def test_parallel_forced_calls_never_return_a_call_twice(client, fast_server):
+    """With parallel calls, a call the model says again ends the reply before it (SmolLM2 repeats its one
+    call): the reply keeps one, and the tokens spent are at most the two copies."""
+    r = ask(client, "What is the weather in Paris?", tools=[CITY], tool_choice="required", max_tokens=80)
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert len({(c.function.name, c.function.arguments) for c in calls}) == len(calls) >= 1
+    assert r.usage.completion_tokens <= 1.3 * compact_tokens(fast_server, calls * 2), r.usage
 
 
 def test_parallel_calls_near_max_tokens_close_the_last_call_in_time(client):

@@ -235,3 +235,54 @@ def _first_difference(tok: TextTokenizer, got, want) -> str:
     a, b = tok.decode(got, skip_special=False), tok.decode(want, skip_special=False)
     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"at {at}: kvserve {a[max(0, at - 40):at + 60]!r} | transformers {b[max(0, at - 40):at + 60]!r}"
+
+
+# the templates of the families kvserve serves whose models write calls of their own format
+ROUND_TRIPS = ("Qwen-Qwen3-0.6B", "Qwen-Qwen2.5-7B-Instruct", "Qwen-QwQ-32B", "Qwen3-Coder", "Qwen3.5-4B",
+               "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct", "meta-llama-Llama-3.3-70B-Instruct",
+               "mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506",
+               "mistralai-Ministral-3-14B-Reasoning-2512", "unsloth-mistral-Devstral-Small-2507", "openai-gpt-oss-120b",
+               "ibm-granite-granite-4.0", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use")
+# where a model's turn ends: a stop token, not part of the text it wrote
+TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<|end_of_text|>", "<|return|>", "<|call|>", "<|end|>")
+
+
+@pytest.mark.parametrize("template", ROUND_TRIPS)
+def test_a_call_written_in_the_models_format_comes_back_structured_and_renders_as_written(template, templates, smollm):
+    """The call as the template writes it is what the model was trained to write: read back, it is the call,
+    and sent back in the next request it renders the same text again."""
+    from transformers import PreTrainedTokenizerFast
+
+    source = (templates / f"{template}.jinja").read_text()
+    base = smollm.tokenizer
+    tok = TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source))
+    hf = PreTrainedTokenizerFast(tokenizer_object=base.tokenizer, bos_token=base.meta.bos_token,
+                                 eos_token=base.meta.eos_token)
+    hf.chat_template = source
+    turns, tools = CONVERSATIONS["one_call"]
+    asked, called = reference_messages(turns[:1]), reference_messages(turns[:2])
+    prompt = hf.apply_chat_template(asked, tools=tools, add_generation_prompt=True, tokenize=False)
+    whole = hf.apply_chat_template(called, tools=tools, add_generation_prompt=False, tokenize=False)
+    thought = ""
+    for opened, rest in (("<think>\n</think>", "\n\n"), ("<think>\n", "I will look it up.\n</think>\n\n")):
+        if prompt.endswith(opened) and not whole.startswith(prompt):
+            # (QwQ opens the think block in its prompt, or opens and closes it, and drops past reasoning
+            # from the history: the model writes what closes it, then calls)
+            prompt, thought = prompt.removesuffix(opened), rest
+    assert whole.startswith(prompt), f"{template}: the turn does not continue its generation prompt"
+    written = thought + whole[len(prompt):].rstrip()
+    while any(written.endswith(end) for end in TURN_ENDS):
+        written = written[:-len(next(end for end in TURN_ENDS if written.endswith(end)))].rstrip()
+    written = written.removeprefix("<|channel|>final<|message|>")  # (gpt-oss's turn names its channel first)
+
+    request = openai_request(turns[:1], tools)
+    reply = chat_render.render_chat(tok, request).reader.parse([written])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reply.calls] == \
+        [("get_weather", {"city": "Paris"})], f"{template}: {written!r} read as {reply}"
+
+    again = ChatCompletionRequest(messages=[*request.model_dump(exclude_none=True)["messages"], {
+        "role": "assistant", "content": reply.content, "reasoning_content": reply.reasoning, "tool_calls": reply.calls}],
+        tools=tools, add_generation_prompt=False)
+    rendered = tok.decode(chat_render.render_chat(tok, again).ids, skip_special=False)
+    call_text = written.split("</think>")[-1].lstrip()  # an empty think block is the template's, not the call's
+    assert call_text in rendered, f"{template}: wrote {call_text!r}; sent back, it renders {rendered[-300:]!r}"

@@ -1,5 +1,7 @@
 """Mistral's tool calls: `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` objects (v3 tokenizers),
-or `[TOOL_CALLS]name[ARGS]{...}` once for each call (v11 and later). Text before the first marker is
+or `[TOOL_CALLS]name[ARGS]{...}` once for each call (v11 and later), with `[CALL_ID]id` after the name
+where the template writes ids (Mistral Small 3.2): the id a model wrote is kept, so the call sent back
+renders as it was written. Text before the first marker is
 content. The markers are control tokens in Mistral's vocabularies, so a reply offered tools keeps special
 tokens in its text (as vLLM decodes it), or they would vanish. Mistral's templates want the ids of earlier
 calls to be 9 letters or digits: other ids are written as 9 hex digits of their hash, the same for the
@@ -16,23 +18,29 @@ from ..chat_messages import structured_message
 from .base import ToolFormat, json_values, openai_call
 from .held_stream import HeldCallStream
 
-MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+MARKER, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 _MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 def _calls(value: Any, names: set[str]) -> list[dict]:
     """Calls of offered functions in a JSON list (or one object) of {"name", "arguments"}; others dropped."""
     items = value if isinstance(value, list) else [value]
-    return [openai_call(v["name"], v.get("arguments", {})) for v in items
+    return [_kept_id(openai_call(v["name"], v.get("arguments", {})), v.get("id")) for v in items
             if isinstance(v, dict) and v.get("name") in names and isinstance(v.get("arguments", {}), dict)]
+
+
+def _kept_id(call: dict, written: Any) -> dict:
+    """The call with the id the model wrote, where it wrote one a template can write back."""
+    return {**call, "id": written} if isinstance(written, str) and _MISTRAL_ID.fullmatch(written) else call
 
 
 def _named_call(chunk: str, names: set[str]) -> list[dict]:
     name, _, arguments = chunk.partition(ARGS)
+    name, _, written_id = name.partition(CALL_ID)
     values = json_values(arguments)
-    name = name.strip()
+    name, written_id = name.strip(), written_id.strip()
     ok = name in names and values is not None and len(values) == 1 and isinstance(values[0], dict)
-    return [openai_call(name, values[0])] if ok else []
+    return [_kept_id(openai_call(name, values[0]), written_id)] if ok else []
 
 
 def parse(text: str, names: set[str]) -> tuple[str | None, list[dict]]:

@@ -121,6 +121,8 @@ class TextTokenizer:
             # A model without a template gets plain "role: content" lines, as llama.cpp does for raw models.
             body = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             return body + ("assistant: " if add_generation_prompt else "")
+        # SmolLM3's template reads its tools as `xml_tools` (its model card passes them so)
+        named = {"xml_tools": tools} if tools and "xml_tools" in (self.meta.chat_template or "") else {}
         try:
             return self._template.render(
                 messages=template_env.template_messages(messages),
@@ -129,7 +131,7 @@ class TextTokenizer:
                 documents=documents,
                 bos_token=self.meta.bos_token or "",
                 eos_token=self.meta.eos_token or "",
-                **self.meta.extra,
+                **{**named, **self.meta.extra},
             )
         # a template's own failure on what it was given (raise_exception, or None iterated, a key missing):
         # the request's to fix, never the server's

@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from ..engine.constraints import Grammars
+from ..engine.forced_calls import Layout
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Scheduling, Sequence
 from ..errors import InvalidRequest
@@ -141,9 +142,10 @@ def _effort(body: CountTokensRequest) -> str | None:
     return None if budget is None else "low" if budget < 4096 else "medium" if budget < 16384 else "high"
 
 
-def _grammar(grammars: Grammars, forced: list[dict] | None, parallel: bool, output: tuple | None) -> str | None:
+def _grammar(grammars: Grammars, forced: list[dict] | None, parallel: bool, output: tuple | None,
+             layout: Layout) -> str | None:
     if forced is not None:
-        return grammars.check(grammars.tool_calls(forced, parallel), "tool_choice")
+        return grammars.check(grammars.tool_calls(forced, parallel, layout), "tool_choice")
     return None if output is None else grammars.check(grammars.json_schema(*output), output[1])
 
 
@@ -154,7 +156,8 @@ async def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], fo
     if forced is not None and output is not None:
         raise InvalidRequest("a forced tool_choice and a structured output format cannot both constrain the reply",
                              param=output[1])
-    grammar = await asyncio.to_thread(_grammar, engine.grammars, forced, parallel, output)  # compiles: off the loop
+    grammar = await asyncio.to_thread(_grammar, engine.grammars, forced, parallel, output,  # compiles: off the loop
+                                      reader.format.forced)
     stop = tuple(body.stop_sequences or ())
     generation.check_stops(http, stop, "stop_sequences", "stop sequences")
     params = SamplingParams(
@@ -164,7 +167,6 @@ async def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], fo
         top_p=body.top_p if body.top_p is not None else 1.0,
         stop=stop,
         grammar=grammar,
-        stop_repeats=tools.CALL_END if forced is not None else None,
         whole_output=forced is not None,
     )
     params = reader.sampling(params)

@@ -13,6 +13,7 @@ from fastapi.responses import StreamingResponse
 from models.tokenizer import TextTokenizer
 
 from ..engine.constraints import Grammars
+from ..engine.forced_calls import Layout, hermes
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Finished, Scheduling, Sequence, TokenEvent
 from ..errors import InvalidRequest, NotFound, quoted
@@ -43,7 +44,6 @@ def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int |
         logprobs=logprobs,
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         grammar=grammar,
-        stop_repeats=tools.CALL_END if forced_calls else None,
         whole_output=forced_calls,
     )
 
@@ -57,7 +57,8 @@ def _logit_bias(bias: dict[str, float], vocab: int) -> tuple[tuple[int, float], 
     return tuple(out)
 
 
-def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: list[dict] | None) -> str | None:
+def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: list[dict] | None,
+                   layout: Layout = hermes) -> str | None:
     """The grammar the output must match, from whichever one field asks for it (None: free text)."""
     rf = body.response_format
     asked = {
@@ -75,7 +76,7 @@ def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: li
         return None
     param = named[0]
     if tool_functions is not None:
-        grammar = grammars.tool_calls(tool_functions, tools.parallel_calls(body))
+        grammar = grammars.tool_calls(tool_functions, tools.parallel_calls(body), layout)
     elif rf is not None and rf.type == "json_object":
         grammar = grammars.json_schema({"type": "object"}, param)
     elif rf is not None:
@@ -94,10 +95,10 @@ def output_grammar(grammars: Grammars, body: _OpenAISampling, tool_functions: li
 
 
 async def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | None, logprobs: int | None,
-            tool_functions: list[dict] | None = None) -> SamplingParams:
+            tool_functions: list[dict] | None = None, layout: Layout = hermes) -> SamplingParams:
     generation.check_model(http, body.model)
     engine = generation.engine_of(http)
-    grammar = await asyncio.to_thread(output_grammar, engine.grammars, body, tool_functions)  # compiles: off the loop
+    grammar = await asyncio.to_thread(output_grammar, engine.grammars, body, tool_functions, layout)  # compiles: off the loop
     params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar, tool_functions is not None)
     generation.check_stops(http, params.stop, "stop")
     return params
@@ -226,7 +227,7 @@ async def chat_completions(body: ChatCompletionRequest, http: HttpRequest):
     rendered = chat_render.render_chat(tok, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = await _params(http, body, max_tokens, logprobs, tools.forced_tools(body))
+    params = await _params(http, body, max_tokens, logprobs, tools.forced_tools(body), rendered.reader.format.forced)
     reader = rendered.reader if params.grammar is None else rendered.reader.constrained()
     reqs = _start_prompts(http, body, [rendered.ids], reader.sampling(params))
     if body.stream:

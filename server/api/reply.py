@@ -27,13 +27,13 @@ class ReplyReader:
     thinks: bool = False  # the template has think blocks: they are split off the reply
     opened: bool = False  # the prompt ended inside one
     names: Offered = field(default_factory=dict)  # the functions the reply may call (none: no calls are read)
-    forced: bool = False  # a forced tool_choice's grammar wrote the reply: Hermes calls only
+    forced: bool = False  # a forced tool_choice's grammar wrote the reply: calls only, in the model's format
     format: ToolFormat = hermes.FORMAT  # the format of the model's own calls
 
     @property
     def channels(self) -> bool:
-        """Whether the reply is read by its format's channels (a forced reply is Hermes calls only)."""
-        return self.format.channels is not None and not self.forced
+        """Whether the reply is read by its format's channels."""
+        return self.format.channels is not None
 
     @property
     def plain(self) -> bool:
@@ -45,14 +45,16 @@ class ReplyReader:
         return dataclasses.replace(self, opened=False)
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
+        if self.forced and self.format.call_end:  # a call said again ends the reply before it
+            params = dataclasses.replace(params, stop_repeats=self.format.call_end)
         if self.channels:  # its markers stay in the text, and those that end generation end the reply there
             ends = tuple(s for s in self.format.ends if s not in params.stop)
             return dataclasses.replace(params, skip_special_tokens=False, stop=params.stop + ends)
-        keep = bool(self.names) and not self.forced and self.format.keeps_special_tokens
+        keep = bool(self.names) and self.format.keeps_special_tokens
         return dataclasses.replace(params, skip_special_tokens=False) if keep else params
 
     def _calls(self) -> ToolFormat:
-        return hermes.FORCED if self.forced else self.format
+        return hermes.FORCED if self.forced and self.format is hermes.FORMAT else self.format
 
     def parse(self, pieces: list[str]) -> Reply:
         """A whole reply, from its text in the pieces it came in (its tokens', to count the reasoning's), or in one."""

@@ -147,7 +147,8 @@ async def _start(run: _Run, previous: Session | None) -> Sequence:
     rendered = chat_render.render_chat(engine.tokenizer, chat)
     prompt = rendered.ids
     forced = tools.forced_tools(chat)
-    grammar = await asyncio.to_thread(openai.output_grammar, engine.grammars, chat, forced)  # compiles: off the loop
+    grammar = await asyncio.to_thread(openai.output_grammar, engine.grammars, chat, forced,  # compiles: off the loop
+                                      rendered.reader.format.forced)
     vocab = engine.model.config.vocab_size
     run.reader = rendered.reader if grammar is None else rendered.reader.constrained()
     params = run.reader.sampling(openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar,

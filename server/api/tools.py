@@ -3,8 +3,9 @@ parsed out of its text as `<tool_call>{"name": ..., "arguments": ...}</tool_call
 
 A chat template that knows tools (it names `tools`) renders them itself; one that does not (SmolLM2's)
 gets them described in the system message, in this format. Which tools are offered and forced is read here
-for every format; a template's own format (tool_formats/) may write earlier calls back its own way. `tool_choice` "required" or a named function is enforced
-by a grammar (constraints.Grammars.tool_calls), so the arguments always parse and match their schema.
+for every format; a template's own format (tool_formats/) writes earlier calls back its own way.
+`tool_choice` "required" or a named function is enforced by a grammar that writes the calls in the model's
+format (engine/forced_calls.py), so the arguments always parse and match their schema.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from ..errors import InvalidRequest
 from .schemas import ChatCompletionRequest, ChatMessage
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-CALL_END = "</tool_call>"  # what ends each call of a forced reply (Grammars.tool_calls's layout)
 TOOLS_PROMPT = (
     "You can call functions. They are described, one JSON object each, between <tools> and </tools>:\n"
     "<tools>\n{tools}\n</tools>\n"

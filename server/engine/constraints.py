@@ -27,14 +27,12 @@ from models.tokenizer import TextTokenizer
 
 from ..errors import InvalidRequest
 from .closing import MAX_ENDING, OPEN, WINDOW, Ending, Vocabulary, nest
+from .forced_calls import JSON_LAYOUT, Layout, OfferedCalls, hermes, marker_term
 from .constraint_limits import check_grammar, check_regex, check_schema, check_size, check_tools
 from .grammar_ends import can_end
 from .grammar_worker import LIMITS, ConstraintRefused, GrammarWorkers
 
 
-# Fixed separators and no free whitespace in generated JSON: a small model otherwise pads it with
-# newlines and indentation until max_tokens.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 RECHECK = 16  # tokens between looks for the shortest ending while the end is still far
 WORKERS = 2  # children checking grammars at once: one slow grammar leaves the other for everyone else
 COMPILED = 64  # grammars kept compiled, the most recent: agents send the same tool list turn after turn
@@ -113,25 +111,14 @@ class Grammars:
         check_size(lark, param)
         return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_lark(lark), param)
 
-    @staticmethod
-    def tool_calls(tools: list[dict], parallel: bool, param: str = "tools") -> str:
-        """One or more (or exactly one) `<tool_call>` blocks, each a JSON call of one of `tools`."""
+    def tool_calls(self, tools: list[dict], parallel: bool, layout: Layout = hermes, param: str = "tools") -> str:
+        """A forced reply: one or more (or exactly one) calls of `tools`, laid out in the model's format."""
         check_tools(len(tools), param)
-        defs: dict[str, Any] = {}
-        calls = []
         for i, t in enumerate(tools):
             check_schema(t["parameters"], f"{param}[{i}].parameters")
-            at = "#/properties/arguments" if len(tools) == 1 else f"#/anyOf/{i}/properties/arguments"
-            arguments = _embedded(t["parameters"], defs, f"tool{i}_", at)
-            calls.append({"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": arguments},
-                          "required": ["name", "arguments"], "additionalProperties": False})
-        root = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = json.dumps({**root, **({"$defs": defs} if defs else {}), "x-guidance": JSON_LAYOUT})
-        # calls as Hermes templates write them, a newline between two: after a call's close the model weighs
-        # its end against another call where it was trained to (with a newline forced there first, a small
-        # model goes on to call again)
-        more = ' ("\\n" call)*' if parallel else ""
-        lark = f'start: call{more}\ncall: "<tool_call>\\n" %json {schema} "\\n</tool_call>"'
+        offered = OfferedCalls(tuple(t["name"] for t in tools), tuple(t["parameters"] for t in tools),
+                               marker_term(self._tokenizer))
+        lark = layout(offered, parallel)
         check_size(lark, param)
         return _compiled_text(lambda: llguidance.LLMatcher.grammar_from_lark(lark), param)
 
@@ -180,31 +167,6 @@ def _compiled_text(build: Callable[[], str], param: str) -> str:
         raise InvalidRequest(f"invalid {param}: it nests too deeply to read", param=param) from None
     except (ValueError, TypeError, RuntimeError) as e:
         raise InvalidRequest(f"invalid {param}: {str(e)[:500]}", param=param) from None
-
-
-def _embedded(schema: Any, defs: dict, prefix: str, at: str) -> Any:
-    """A tool's parameter schema as it reads inside the schema of all calls, where its root is `at`: its
-    definitions ($defs, or the older definitions, as pydantic writes for nested models) move to the root's
-    $defs under `prefix`, and every local $ref is rewritten to point where its target now is."""
-    def ref(target: str) -> str:
-        for section in ("#/$defs/", "#/definitions/"):
-            if target.startswith(section):
-                return "#/$defs/" + prefix + target[len(section):]
-        return at + target[1:] if target.startswith("#") else target
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, list):
-            return [walk(item) for item in node]
-        if not isinstance(node, dict):
-            return node
-        return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v) for k, v in node.items()}
-
-    if not isinstance(schema, dict):
-        return schema
-    for section in ("$defs", "definitions"):
-        for name, definition in (schema.get(section) or {}).items():
-            defs[prefix + name] = walk(definition)
-    return walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
 
 
 class Constraint:

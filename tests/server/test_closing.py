@@ -72,7 +72,7 @@ def test_tool_calls_end_with_the_end_token(grammars):
     constraint.allowed(50)
     ending = constraint.ending_tokens
     assert ending[-1] in tok.eos_ids
-    assert tok.decode(ending, skip_special=False).endswith('"}}\n</tool_call>\n' + tok.decode([ending[-1]], skip_special=False))
+    assert tok.decode(ending, skip_special=False).endswith('"}}\n</tool_call>' + tok.decode([ending[-1]], skip_special=False))
 
 
 @pytest.mark.parametrize("lark, ends", [

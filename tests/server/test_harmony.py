@@ -254,6 +254,49 @@ def test_ollama_reads_thinking_and_tool_calls(fewshot, reply, stream):
     assert got == READ[reply] and parts[-1].done
 
 
+HEADER = " to=functions.get_weather<|channel|>commentary json<|message|>"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_is_a_harmony_call_in_every_dialect(gpt_oss, stream):
+    """tool_choice "required" (Anthropic's "any"): the grammar writes the call as the template writes it, its
+    markers the special tokens themselves, and each dialect reads it back as its structured call."""
+    r = oai(gpt_oss).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ASK}], tools=[WEATHER],
+                                             tool_choice="required", max_tokens=40, logprobs=True, stream=stream)
+    if stream:
+        chunks = [c.choices[0] for c in r]
+        tokens = [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
+        names = [d.function.name for c in chunks for d in c.delta.tool_calls or [] if d.function.name]
+        reason = chunks[-1].finish_reason
+    else:
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        names = [c.function.name for c in r.choices[0].message.tool_calls]
+        reason = r.choices[0].finish_reason
+    assert "".join(tokens).startswith(HEADER) and "<|channel|>" in tokens and "<|message|>" in tokens, tokens
+    assert names == ["get_weather"] and reason == "tool_calls"
+
+    kw = dict(model=MODEL, input=ASK, max_output_tokens=40, tools=[{"type": "function", **WEATHER["function"]}],
+              tool_choice="required")
+    if stream:
+        with oai(gpt_oss).responses.stream(**kw) as s:
+            response = s.get_final_response()
+    else:
+        response = oai(gpt_oss).responses.create(**kw)
+    assert [(i.type, i.name) for i in response.output if i.type == "function_call"] == [("function_call", "get_weather")]
+    assert isinstance(json.loads(response.output[-1].arguments), dict) and response.status == "completed"
+
+    client = anthropic.Anthropic(base_url=gpt_oss.url, api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=40, tool_choice={"type": "any"},
+              tools=[{"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}])
+    if stream:
+        with client.messages.stream(**kw) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**kw)
+    assert [(b.type, b.name) for b in message.content if b.type == "tool_use"] == [("tool_use", "get_weather")]
+    assert message.stop_reason == "tool_use"
+
+
 def test_each_dialect_s_effort_reaches_the_template(smollm):
     """OpenAI's and Ollama's levels as they are, the least below low and xhigh as high; Anthropic's effort, or
     else its thinking budget's size."""

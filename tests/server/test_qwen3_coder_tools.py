@@ -225,3 +225,28 @@ def test_ollama_reads_the_call_as_tool_calls(fewshot, fewshot_prompt, stream):
     assert [(c.function.name, dict(c.function.arguments)) for c in calls] == [PARIS]
     assert "<function=" not in "".join(p.message.content or "" for p in parts)
     assert parts[-1].done and parts[-1].prompt_eval_count == fewshot_prompt
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_is_written_as_the_template_writes_it(fewshot, stream):
+    """tool_choice "required": the XML call, its parameters typed by the schema (the integer as JSON, the
+    string as text), read back as the typed call."""
+    r = oai(fewshot).chat.completions.create(model=MODEL, messages=openai_history(), tools=[WEATHER], temperature=0,
+                                             tool_choice="required", max_tokens=80, logprobs=True, stream=stream)
+    if stream:
+        chunks = [c.choices[0] for c in r]
+        tokens = [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
+        calls = {}
+        for d in (d for c in chunks for d in c.delta.tool_calls or []):
+            name, arguments = calls.get(d.index, ("", ""))
+            calls[d.index] = (name + (d.function.name or ""), arguments + (d.function.arguments or ""))
+        calls, reason = list(calls.values()), chunks[-1].finish_reason
+    else:
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        calls = [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls]
+        reason = r.choices[0].finish_reason
+    assert "".join(tokens).startswith("<tool_call>\n<function=get_weather>\n<parameter=city>\n"), tokens
+    name, arguments = calls[0]
+    arguments = json.loads(arguments)
+    assert name == "get_weather" and reason == "tool_calls"
+    assert isinstance(arguments["city"], str) and isinstance(arguments["days"], int), arguments

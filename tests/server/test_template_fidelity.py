@@ -12,6 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import llguidance
 import pytest
 
 from models.tokenizer import TextTokenizer
@@ -23,6 +24,7 @@ from server.api.responses_chat import chat_request as responses_chat
 from server.api.responses_items import input_items
 from server.api.responses_schemas import ResponseRequest
 from server.api.schemas import ChatCompletionRequest
+from server.engine.constraints import Grammars
 
 from ..models.gguf_files import llama_cpp_source
 
@@ -242,7 +244,7 @@ ROUND_TRIPS = ("Qwen-Qwen3-0.6B", "Qwen-Qwen2.5-7B-Instruct", "Qwen-QwQ-32B", "Q
                "meta-llama-Llama-3.1-8B-Instruct", "meta-llama-Llama-3.2-3B-Instruct", "meta-llama-Llama-3.3-70B-Instruct",
                "mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506",
                "mistralai-Ministral-3-14B-Reasoning-2512", "unsloth-mistral-Devstral-Small-2507", "openai-gpt-oss-120b",
-               "ibm-granite-granite-4.0", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use")
+               "ibm-granite-granite-4.0", "NousResearch-Hermes-3-Llama-3.1-8B-tool_use", "LFM2.5-8B-A1B")
 # where a model's turn ends: a stop token, not part of the text it wrote
 TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<|end_of_text|>", "<|return|>", "<|call|>", "<|end|>")
 
@@ -286,3 +288,35 @@ def test_a_call_written_in_the_models_format_comes_back_structured_and_renders_a
     rendered = tok.decode(chat_render.render_chat(tok, again).ids, skip_special=False)
     call_text = written.split("</think>")[-1].lstrip()  # an empty think block is the template's, not the call's
     assert call_text in rendered, f"{template}: wrote {call_text!r}; sent back, it renders {rendered[-300:]!r}"
+
+    # and a forced reply's grammar has the model write the call just so, in its own format
+    grammars = Grammars(tok, 4096)
+    offered = [{"name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in tools]
+    forced = grammars.tool_calls(offered, True, chat_render.render_chat(tok, request).reader.format.forced)
+    matcher = llguidance.LLMatcher(grammars.ll_tokenizer, forced, log_level=0)
+    call_text = written.split("</think>")[-1].lstrip("\n")  # (harmony's header starts with a space)
+    assert matcher.consume_tokens(tok.encode(call_text, add_special=False)), f"{template}: {matcher.get_error()}"
+    ends = [end for end in ("", *TURN_ENDS) if _accepts(matcher.deep_copy(), tok.encode(end, add_special=False))]
+    assert ends, f"{template}: the grammar wants more than {call_text!r}"
+
+
+def _accepts(matcher, ids: list[int]) -> bool:
+    return matcher.consume_tokens(ids) and matcher.is_accepting()
+
+
+def test_a_template_that_reads_xml_tools_gets_the_tools_there(smollm):
+    """SmolLM3's template takes its tools as `xml_tools` (its model card passes them so): rendered as
+    transformers renders it given them there."""
+    from transformers import PreTrainedTokenizerFast
+
+    source = ("{%- if xml_tools %}<tools>{% for tool in xml_tools %}{{ tool | tojson }}\n{% endfor %}</tools>{% endif %}"
+              "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    base = smollm.tokenizer
+    tok = TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source))
+    hf = PreTrainedTokenizerFast(tokenizer_object=base.tokenizer)
+    hf.chat_template = source
+    turns, tools = CONVERSATIONS["tools"]
+    want = hf.apply_chat_template(reference_messages(turns), xml_tools=tools, add_generation_prompt=True, tokenize=False)
+    got = tok.decode(chat_render.render_chat(tok, openai_request(turns, tools)).ids, skip_special=False)
+    assert got == want and '"get_weather"' in got

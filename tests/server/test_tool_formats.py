@@ -12,6 +12,7 @@ import pytest
 from server.api import tool_formats
 
 from ..live_server import LiveServer
+from ..models.gguf_files import llama_cpp_source
 from .chat_templates import LLAMA3, MISTRAL, QWEN3, exactly, oai, with_template
 
 MODEL = "smollm2-135m-instruct"
@@ -162,3 +163,44 @@ def test_earlier_calls_go_back_in_the_templates_own_format(llama3, mistral):
                                                                                        "arguments": PARIS}}]},
                {"role": "tool", "content": "20C", "tool_name": "get_weather"}]
     assert client.chat(model=MODEL, messages=history, tools=[WEATHER], options={"num_predict": 1}).done
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fixture, opening", [("llama3", '{"name": "get_weather", "parameters": {"city": "'),
+                                              ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "')])
+def test_a_forced_call_is_written_in_the_templates_own_format(request, fixture, opening, stream):
+    """tool_choice "required": the grammar has the model write its call as its template writes calls (the
+    reply's tokens say so), and the reply reads it back as the structured call."""
+    server = request.getfixturevalue(fixture)
+    r = oai(server).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=60,
+                                            tool_choice="required", logprobs=True, stream=stream)
+    if stream:
+        chunks = [c.choices[0] for c in r]
+        tokens = [t.token for c in chunks if c.logprobs for t in c.logprobs.content]
+        calls = [d for c in chunks for d in c.delta.tool_calls or []]
+        names = [d.function.name for d in calls if d.function.name]
+        reason = chunks[-1].finish_reason
+    else:
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        names = [c.function.name for c in r.choices[0].message.tool_calls]
+        reason = r.choices[0].finish_reason
+    assert "".join(tokens).startswith(opening), tokens
+    assert names and set(names) == {"get_weather"} and reason == "tool_calls"
+
+
+def test_lfm2_pythonic_calls_are_read_and_cut_ones_dropped():
+    """LFM2's `<|tool_call_start|>[f(a='x', n=3)]<|tool_call_end|>`: keyword arguments as Python literals."""
+    from server.api.tool_formats import pythonic
+
+    names = {"get_weather": {}, "get_time": {}}
+    content, calls = pythonic.parse("Let me look. <|tool_call_start|>[get_weather(city='Paris', days=3, hourly=True), "
+                                    "get_time(zone={\"tz\": \"CET\"})]<|tool_call_end|>", names)
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "hourly": True}), ("get_time", {"zone": {"tz": "CET"}})]
+    assert pythonic.parse("<|tool_call_start|>[get_weather(city='Par", names) == (None, [])  # cut short: dropped
+    assert pythonic.parse("<|tool_call_start|>[os.system('x'), nope(a=1)]<|tool_call_end|>", names) == (None, [])
+    assert pythonic.parse("No call here.", names) == ("No call here.", [])
+    lfm = llama_cpp_source() / "models" / "templates"
+    assert {tool_formats.format_for((lfm / f"{t}.jinja").read_text()).name
+            for t in ("LFM2-8B-A1B", "LFM2.5-8B-A1B", "LFM2.5-Instruct")} == {"pythonic"}

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ...engine.forced_calls import Layout, hermes
 from ..schemas import ChatMessage
 
 
@@ -54,6 +55,8 @@ class ToolFormat:
     # through think blocks; its markers stay in every reply's text, tools offered or not
     channels: Callable[[Offered], ChannelStream] | None = None
     ends: tuple[str, ...] = ()  # a channels format's markers that end generation: stop strings too, where not EOS
+    forced: Layout = hermes  # how a forced reply's grammar writes its calls (engine/forced_calls.py)
+    call_end: str | None = None  # what ends each call, where calls have one: a call said again ends the reply
 
 
 def openai_call(name: str, arguments: Any) -> dict:
@@ -76,3 +79,16 @@ def json_values(text: str) -> list[Any] | None:
         except json.JSONDecodeError:
             return None
         values.append(value)
+
+
+def json_types(schema: Any, alternatives: bool = True) -> set[str]:
+    """The JSON types a parameter's schema allows, its anyOf/oneOf alternatives' too (one level of them)."""
+    if not isinstance(schema, Mapping):
+        return set()
+    named = schema.get("type")
+    named = [named] if isinstance(named, str) else named if isinstance(named, list) else []
+    types = {t for t in named if isinstance(t, str)}
+    for key in ("anyOf", "oneOf") if alternatives else ():
+        if isinstance(schema.get(key), list):
+            types = types.union(*(json_types(alternative, False) for alternative in schema[key]))
+    return types

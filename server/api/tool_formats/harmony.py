@@ -33,6 +33,7 @@ from typing import Any
 from ..reasoning import partial_tag
 from ..schemas import ChatMessage
 from ..chat_messages import structured_message
+from ...engine.forced_calls import OfferedCalls, text
 from .base import ToolFormat, openai_call
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
@@ -206,6 +207,15 @@ def history(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
+def forced(calls: OfferedCalls, parallel: bool) -> str:
+    """One call (gpt-oss calls one function a turn), after the prompt's `<|start|>assistant`, with the header
+    the template writes for it."""
+    m = calls.marker
+    call = calls.each(lambda i: f'{text(" to=functions." + calls.names[i])} {m(CHANNEL)} "commentary json" '
+                                f'{m(MESSAGE)} {calls.arguments(i)}')
+    return f"start: {call} {m(CALL)}"
+
+
 FORMAT = ToolFormat(
     name="harmony",
     parse=lambda text, functions: read(text, functions)[1:],
@@ -214,4 +224,5 @@ FORMAT = ToolFormat(
     keeps_special_tokens=True,
     channels=HarmonyStream,
     ends=LAST,
+    forced=forced,
 )

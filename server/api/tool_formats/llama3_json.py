@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...engine.forced_calls import OfferedCalls
 from ..chat_messages import structured_message
 from .base import ToolFormat, json_values, openai_call
 from .held_stream import HeldCallStream
@@ -48,9 +49,15 @@ def split(text: str, at_start: bool) -> tuple[int, bool]:
     return len(text), False
 
 
+def forced(calls: OfferedCalls, parallel: bool) -> str:
+    """One call, as the templates write it (3.2's raise on more than one a turn)."""
+    return f"start: {calls.each(lambda i: calls.call_object(i, 'parameters'))}"
+
+
 FORMAT = ToolFormat(
     name="llama3_json",
     parse=parse,
     stream=lambda names: HeldCallStream(names, split, parse),
     history=structured_message,
+    forced=forced,
 )

@@ -8,6 +8,7 @@ calls to be 9 letters or digits: other ids are written as 9 hex digits of their 
 call and for its result."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from ..reasoning import partial_tag
 from ..schemas import ChatMessage
 from ..chat_messages import structured_message
+from ...engine.forced_calls import OfferedCalls, text
 from .base import ToolFormat, json_values, openai_call
 from .held_stream import HeldCallStream
 
@@ -72,10 +74,35 @@ def history(m: ChatMessage) -> dict[str, Any]:
     return structured_message(m, call_id)
 
 
+def forced_list(calls: OfferedCalls, parallel: bool) -> str:
+    """v3 (Mistral Nemo): `[TOOL_CALLS]` and a JSON list of calls, each with the 9-character id the
+    template writes after its arguments."""
+    call = calls.each(lambda i: calls.call_object(i, extra={"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}}))
+    more = ' (", " call)*' if parallel else ""
+    return f'start: {calls.marker(MARKER)} "[" call{more} "]"\ncall: {call}'
+
+
+def forced_named(calls: OfferedCalls, parallel: bool) -> str:
+    """v11 and later: `[TOOL_CALLS]name[ARGS]{...}` a call."""
+    call = calls.each(lambda i: f"{text(calls.names[i])} {calls.marker(ARGS)} {calls.arguments(i)}")
+    return f'start: call{"+" if parallel else ""}\ncall: {calls.marker(MARKER)} {call}'
+
+
+def forced_with_ids(calls: OfferedCalls, parallel: bool) -> str:
+    """Mistral Small 3.2: `[TOOL_CALLS]name[CALL_ID]id[ARGS]{...}` a call, the id 9 letters or digits."""
+    call = calls.each(lambda i: f"{text(calls.names[i])} {calls.marker(CALL_ID)} /[A-Za-z0-9]{{9}}/ "
+                                f"{calls.marker(ARGS)} {calls.arguments(i)}")
+    return f'start: call{"+" if parallel else ""}\ncall: {calls.marker(MARKER)} {call}'
+
+
 FORMAT = ToolFormat(
     name="mistral",
     parse=parse,
     stream=lambda names: HeldCallStream(names, split, parse),
     history=history,
     keeps_special_tokens=True,
+    forced=forced_list,
 )
+# the same replies read alike; a forced reply is written as each template writes its calls
+NAMED = dataclasses.replace(FORMAT, forced=forced_named)
+WITH_IDS = dataclasses.replace(FORMAT, forced=forced_with_ids)

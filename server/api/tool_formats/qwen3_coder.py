@@ -26,29 +26,18 @@ from typing import Any
 
 from ..reasoning import partial_tag
 from ..chat_messages import structured_message
-from .base import ToolFormat, openai_call
+from ...engine.forced_calls import OfferedCalls, text
+from .base import ToolFormat, json_types, openai_call
 from .held_stream import HeldCallStream
 
 CALL, CALL_END, FUNCTION, FUNCTION_END = "<tool_call>", "</tool_call>", "<function=", "</function>"
 PARAMETER = "<parameter="
 # a value ends at its closing tag, or where the next parameter or the function ends without one
 _VALUE_END = re.compile(r"</parameter>|<parameter=|</function>")
+NL = "\n"
 HELD_SPACE = 64  # whitespace held back at most, in case a call follows it
 _PYTHON_LITERALS = {"True": "true", "False": "false", "None": "null"}
 _JSON_TYPES = {bool: "boolean", int: "integer", float: "number", list: "array", dict: "object", type(None): "null"}
-
-
-def _types(schema: Any, alternatives: bool = True) -> set[str]:
-    """The JSON types a parameter's schema allows, its anyOf/oneOf alternatives' too (one level of them)."""
-    if not isinstance(schema, Mapping):
-        return set()
-    named = schema.get("type")
-    named = [named] if isinstance(named, str) else named if isinstance(named, list) else []
-    types = {t for t in named if isinstance(t, str)}
-    for key in ("anyOf", "oneOf") if alternatives else ():
-        if isinstance(schema.get(key), list):
-            types = types.union(*(_types(alternative, False) for alternative in schema[key]))
-    return types
 
 
 def _no_constant(name: str) -> Any:
@@ -56,7 +45,7 @@ def _no_constant(name: str) -> Any:
 
 
 def typed_value(text: str, schema: Any) -> Any:
-    types = _types(schema)
+    types = json_types(schema)
     if not types or "string" in types:
         return text
     bare = text.strip()
@@ -128,9 +117,40 @@ def split(text: str, at_start: bool) -> tuple[int, bool]:
     return max(len(text[:end].rstrip()), end - HELD_SPACE), at >= 0
 
 
+# a text value and its close, one lexeme (the grammar's lexer does not back off a value it could still
+# extend): anything without "</" or "\n<" in it, not starting with a newline
+TEXT_VALUE = r"/[^\n<]([^<\n]|\n[^<]|<[^\/])*\n<\/parameter>\n/"
+CLOSE = '"\\n</parameter>\\n"'
+
+
+def _value(calls: OfferedCalls, i: int, name: str, schema: Any) -> str:
+    """A value as the template writes it, and its close: text where a string is allowed (or nothing said),
+    Python's True/False for a boolean, else compact JSON."""
+    types = json_types(schema)
+    if not types or "string" in types:
+        return TEXT_VALUE
+    return f'("True" | "False") {CLOSE}' if types == {"boolean"} else f"{calls.argument(i, name)} {CLOSE}"
+
+
+def forced(calls: OfferedCalls, parallel: bool) -> str:
+    """Calls as the template writes them: the parameters in the schema's order, the required ones always."""
+    def call(i: int) -> str:
+        schema = calls.parameters[i] if isinstance(calls.parameters[i], Mapping) else {}
+        properties, required = schema.get("properties") or {}, set(schema.get("required") or ())
+        parts = []
+        for name, value in properties.items():
+            part = f'{text(f"<parameter={name}>" + NL)} {_value(calls, i, name, value)}'
+            parts.append(part if name in required else f"({part})?")
+        return " ".join([text(f"<function={calls.names[i]}>" + NL), *parts, '"</function>"'])
+    more = ' ("\\n" call)*' if parallel else ""
+    return f'start: call{more}\ncall: "<tool_call>\\n" {calls.each(call)} "\\n</tool_call>"'
+
+
 FORMAT = ToolFormat(
     name="qwen3_coder",
     parse=parse,
     stream=lambda functions: HeldCallStream(functions, split, parse),
     history=structured_message,
+    forced=forced,
+    call_end=CALL_END,
 )

@@ -26,7 +26,6 @@ parallel loop.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
@@ -62,11 +61,10 @@ def _products(x: torch.Tensor, ws: list[torch.Tensor], ns: list[int], kinds: lis
                       for w, n, k in zip(ws, ns, kinds)], dim=-1)
 
 
-def _activation(gate: torch.Tensor, up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
-    if limit <= 0:
-        return F.silu(gate) * up
-    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+def _activation(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """[m, 2F] -> [m, F], row by row in the native kernel's one order (the bits of a row never depend on
+    the rows or threads beside it, where F.silu's do)."""
+    return torch.ops.kvserve_native.swiglu(gate_up.float(), limit, alpha)
 
 
 @torch.library.custom_op("kvserve::moe_experts", mutates_args=())
@@ -99,7 +97,7 @@ def _grouped(x, ids, route_weights, weights, ns, kinds, gate_bias, up_bias, down
         gate_up = _products(xe, [gate[e], up[e]], ns[:2], kinds[:2])  # [m, 2F]
         if gate_bias is not None:
             gate_up = gate_up + torch.cat([gate_bias[e], up_bias[e]])
-        h = _activation(*gate_up.split(ns[:2], dim=-1), swiglu_limit, swiglu_alpha)  # [m, F]
+        h = _activation(gate_up, swiglu_limit, swiglu_alpha)  # [m, F]
         y = _products(h, [down[e]], ns[2:], kinds[2:])  # [m, C]
         if down_bias is not None:
             y = y + down_bias[e]

@@ -6,11 +6,17 @@
 //   rope_qkv(qkv [1, n, (Hq + 2 Hkv) * D], cos [n, D], sin [n, D], Hq, Hkv)
 //       -> q [1, Hq, n, D], k [1, Hkv, n, D], v [1, Hkv, n, D]    rotate-half RoPE on q and k
 //   silu_mul(x [..., 2F]) -> [..., F]                              silu(x[..., :F]) * x[..., F:]
+//   swiglu(x [..., 2F], limit, alpha) -> [..., F]                 limit 0: silu_mul's; > 0: gpt-oss's
+//       (u + 1) * g / (1 + exp(-alpha g)), g = min(x[..., :F], limit), u = x[..., F:] clamped to +-limit
+//   Each row in one order, eight lanes then the rest: a row's bits depend on F alone, never on the rows
+//   beside it or the threads (ATen's elementwise ops give a thread's last elements a scalar exp, so
+//   their bits move with the split).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include "simd.h"
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 
@@ -71,30 +77,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_qkv(const at::Tensor& qkv_in
   return {q, k, v};
 }
 
-at::Tensor silu_mul(const at::Tensor& x_in) {
+void swiglu_row(const float* gate, const float* up, float* o, int64_t F, float limit, float alpha) {
+  int64_t j = 0;
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  if (limit <= 0) {
+    for (; j + 8 <= F; j += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + j);
+      const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, kvserve_simd::exp8(_mm256_sub_ps(zero, g))));
+      _mm256_storeu_ps(o + j, _mm256_mul_ps(sig, _mm256_loadu_ps(up + j)));
+    }
+    for (; j < F; ++j) o[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
+    return;
+  }
+  const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit), a = _mm256_set1_ps(alpha);
+  for (; j + 8 <= F; j += 8) {
+    const __m256 g = _mm256_min_ps(_mm256_loadu_ps(gate + j), hi);
+    const __m256 u = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(up + j), hi), lo);
+    const __m256 glu = _mm256_div_ps(g, _mm256_add_ps(one, kvserve_simd::exp8(_mm256_sub_ps(zero, _mm256_mul_ps(g, a)))));
+    _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
+  }
+  for (; j < F; ++j) {
+    const float g = std::min(gate[j], limit), u = std::max(std::min(up[j], limit), -limit);
+    o[j] = (u + 1.0f) * (g / (1.0f + std::exp(-(g * alpha))));
+  }
+}
+
+at::Tensor swiglu(const at::Tensor& x_in, double limit, double alpha) {
   const at::Tensor x = x_in.contiguous();
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "silu_mul works in float32");
-  const int64_t F = x.size(-1) / 2, rows = x.numel() / (2 * F);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "swiglu works in float32");
+  const int64_t F = x.size(-1) / 2, rows = F == 0 ? 0 : x.numel() / (2 * F);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = F;
   at::Tensor out = at::empty(shape, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *gate = xp + r * 2 * F, *up = gate + F;
-      float* o = op + r * F;
-      int64_t j = 0;
-      for (; j + 8 <= F; j += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + j);
-        const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), kvserve_simd::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-        _mm256_storeu_ps(o + j, _mm256_mul_ps(sig, _mm256_loadu_ps(up + j)));
-      }
-      for (; j < F; ++j) o[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
-    }
+    for (int64_t r = begin; r < end; ++r)
+      swiglu_row(xp + r * 2 * F, xp + r * 2 * F + F, op + r * F, F, static_cast<float>(limit), static_cast<float>(alpha));
   });
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& x) { return swiglu(x, 0.0, 0.0); }
 
 // Shapes only, for tracing and export (symbolic token counts).
 at::Tensor rms_norm_meta(const at::Tensor& x, const at::Tensor&, double) { return at::empty_like(x); }
@@ -112,22 +136,27 @@ at::Tensor silu_mul_meta(const at::Tensor& x) {
   return at::empty_symint(shape, x.options());
 }
 
+at::Tensor swiglu_meta(const at::Tensor& x, double, double) { return silu_mul_meta(x); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvserve_native, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_qkv(Tensor qkv, Tensor cos, Tensor sin, int n_heads, int n_kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("swiglu(Tensor x, float limit, float alpha) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_qkv", &rope_qkv);
   m.impl("silu_mul", &silu_mul);
+  m.impl("swiglu", &swiglu);
 }
 
 TORCH_LIBRARY_IMPL(kvserve_native, Meta, m) {
   m.impl("rms_norm", &rms_norm_meta);
   m.impl("rope_qkv", &rope_qkv_meta);
   m.impl("silu_mul", &silu_mul_meta);
+  m.impl("swiglu", &swiglu_meta);
 }

@@ -17,6 +17,7 @@
 //   order: the same float operations whatever else shares the step, and the same as models/moe.py's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 #include "block_products.h"
 #include <algorithm>
@@ -112,16 +113,14 @@ at::Tensor moe_blocks(const at::Tensor& x_in, const at::Tensor& ids_in, const at
   at::Tensor gate_up = at::empty({nk, 2 * F}, x.options());
   float* gu = gate_up.data_ptr<float>();
   each_slice(slices({0, 1}, F), [&](const Slice& s) { run(s, s.part == 0 ? gate_x : up_x, gu + s.part * F, 2 * F); });
-  at::Tensor gate = gate_up.narrow(1, 0, F), up = gate_up.narrow(1, F, F);
-  if (gate_bias) gate = gate + gate_bias->index_select(0, expert);
-  if (up_bias) up = up + up_bias->index_select(0, expert);
-  at::Tensor h;  // [nk, F]
-  if (swiglu_limit <= 0) {
-    h = at::silu(gate) * up;
-  } else {
-    gate = gate.clamp_max(swiglu_limit), up = up.clamp(-swiglu_limit, swiglu_limit);
-    h = (up + 1) * (gate * at::sigmoid(gate * swiglu_alpha));
-  }
+  if (gate_bias) gate_up.narrow(1, 0, F).add_(gate_bias->index_select(0, expert));
+  if (up_bias) gate_up.narrow(1, F, F).add_(up_bias->index_select(0, expert));
+  // fused.cpp's row by row, as models/moe.py's reference calls it: ATen's silu would give each thread's
+  // last elements a scalar exp, and a row's bits would move with the batch and the threads
+  const at::Tensor h = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("kvserve_native::swiglu", "")
+                           .typed<at::Tensor(const at::Tensor&, double, double)>()
+                           .call(gate_up, swiglu_limit, swiglu_alpha);  // [nk, F]
 
   // down [nk, C], each choice's output weighted, then summed per row in the router's order
   const Activations down_x = kvserve_blocks::quantize(h.contiguous(), kinds[2]);

@@ -23,7 +23,8 @@ servers idle, the bus is measured as the median rate of summing a tensor of toke
 it uses: token_bytes) over the stream's median inter-token latency, divided by that, is the fraction of
 the bus a step reads at (each round's, and their median; the same with output tok/s, which holds the prompts' prefill too, as `..._with_prefill`). The
 best rate of the round's 256 MiB sums is kept beside them (`read_gb_s`).
-Prints JSON: every run, the medians, and kvserve / llama-server for each figure.
+Prints JSON: the CPU (name, family, model, the instruction sets the kernels choose between), every run,
+the medians, and kvserve / llama-server for each figure.
 """
 from __future__ import annotations
 
@@ -58,11 +59,32 @@ LOADS = ("streams", "prefill", "multiturn", "long")
 SERVED = "compared"  # the name kvserve serves the file under (llama-server takes any)
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile",
+             "amx_int8", "amx_bf16")
+
+
 def cpu_name() -> str:
     try:
         return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         return platform.machine()
+
+
+def cpu_record() -> dict:
+    """What the figures were measured on: the CPU's name, family and model (AMD's family 25 is Zen 3 and
+    4, 26 Zen 5), and which of the instruction sets the kernels choose between it has."""
+    fields: dict[str, str] = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if not key.strip():
+                break  # the first processor's block is enough
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set(fields.get("flags", "").split())
+    return {"name": cpu_name(), "vendor": fields.get("vendor_id"), "family": fields.get("cpu family"),
+            "model": fields.get("model"), "isa": [f for f in ISA_FLAGS if f in flags]}
 
 
 def distinct_text(rng: random.Random, words: int) -> str:
@@ -246,7 +268,7 @@ def main() -> int:
             for name in servers:
                 runs[name].append(results[name])
     med = {name: medians(r) for name, r in runs.items()}
-    report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "token_mb": args.token_bytes // 2**20, "machine": cpu_name(), "threads": args.threads,
+    report = {"gguf": gguf.name, "file_mb": gguf.stat().st_size // 2**20, "token_mb": args.token_bytes // 2**20, "machine": cpu_name(), "cpu": cpu_record(), "threads": args.threads,
               "kvserve_speculative": args.speculative, "rounds": args.rounds, "read_gb_s": reads, "runs": runs, "median": med,
               "kvserve_over_llama_server": ratios(med["kvserve"], med["llama-server"])}
     for name, rs in runs.items():  # a token reads token_bytes: every weight once, of the experts those it uses

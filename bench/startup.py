@@ -1,4 +1,5 @@
-"""Start-up time (fetched model to listening) and resident memory at idle of `kvserve serve`. Prints JSON.
+"""Start-up time (fetched model to listening) and resident memory, at idle and at its peak, of
+`kvserve serve`. Prints JSON.
 
     python bench/startup.py [--model smollm2-135m-instruct] [--weights auto]
 
@@ -21,12 +22,13 @@ import httpx
 from server.local import free_port
 
 
-def rss_mb(pid: int) -> float:
+def rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """The server's resident memory (VmHWM: its peak so far), its children's added."""
     total = 0
     for p in [pid, *_children(pid)]:
         try:
             for line in open(f"/proc/{p}/status"):
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     total += int(line.split()[1])
         except FileNotFoundError:
             pass
@@ -57,7 +59,7 @@ def start_once(model: str, weights: str) -> dict:
                 raise RuntimeError("server exited")
         ready = time.perf_counter() - t0
         time.sleep(2)
-        return {"startup_s": round(ready, 2), "idle_rss_mb": rss_mb(proc.pid)}
+        return {"startup_s": round(ready, 2), "idle_rss_mb": rss_mb(proc.pid), "peak_rss_mb": rss_mb(proc.pid, "VmHWM")}
     finally:
         proc.terminate()
         proc.wait(timeout=60)

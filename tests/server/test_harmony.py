@@ -223,6 +223,14 @@ def test_responses_read_reasoning_items_and_calls(fewshot, reply, stream):
     assert r.status == "completed" and r.usage.output_tokens_details.reasoning_tokens > 0
 
 
+def anthropic_message(client, stream: bool, **kw):
+    """The final message, streamed or not."""
+    if not stream:
+        return client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        return s.get_final_message()
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @REPLIES
 def test_anthropic_reads_a_thinking_block_and_tool_use(fewshot, reply, stream):
@@ -230,11 +238,7 @@ def test_anthropic_reads_a_thinking_block_and_tool_use(fewshot, reply, stream):
     kw = dict(model=MODEL, system=shown(reply), messages=[{"role": "user", "content": ASK}], max_tokens=2000,
               thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"temperature": 0},
               tools=[{"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}])
-    if stream:
-        with client.messages.stream(**kw) as s:
-            message = s.get_final_message()
-    else:
-        message = client.messages.create(**kw)
+    message = anthropic_message(client, stream, **kw)
     reasoning, content, calls = READ[reply]
     blocks = [(b.type, b.thinking if b.type == "thinking" else b.text if b.type == "text" else (b.name, b.input))
               for b in message.content]
@@ -288,11 +292,7 @@ def test_a_forced_call_is_a_harmony_call_in_every_dialect(gpt_oss, stream):
     client = anthropic.Anthropic(base_url=gpt_oss.url, api_key="unused", max_retries=0)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": ASK}], max_tokens=40, tool_choice={"type": "any"},
               tools=[{"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}])
-    if stream:
-        with client.messages.stream(**kw) as s:
-            message = s.get_final_message()
-    else:
-        message = client.messages.create(**kw)
+    message = anthropic_message(client, stream, **kw)
     assert [(b.type, b.name) for b in message.content if b.type == "tool_use"] == [("tool_use", "get_weather")]
     assert message.stop_reason == "tool_use"
 

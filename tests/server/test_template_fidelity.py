@@ -197,16 +197,20 @@ def template_names() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.jinja"))
 
 
-@pytest.mark.parametrize("template", template_names())
-def test_every_conversation_in_every_dialect_renders_as_transformers_renders_it(template, templates, smollm):
+def both_tokenizers(smollm, source: str):
+    """SmolLM2's vocabulary under the template `source`: kvserve's tokenizer and transformers' (the reference)."""
     from transformers import PreTrainedTokenizerFast
 
-    source = (templates / f"{template}.jinja").read_text()
     base = smollm.tokenizer
-    tok = TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source))
     hf = PreTrainedTokenizerFast(tokenizer_object=base.tokenizer, bos_token=base.meta.bos_token,
                                  eos_token=base.meta.eos_token)
     hf.chat_template = source
+    return TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source)), hf
+
+
+@pytest.mark.parametrize("template", template_names())
+def test_every_conversation_in_every_dialect_renders_as_transformers_renders_it(template, templates, smollm):
+    tok, hf = both_tokenizers(smollm, (templates / f"{template}.jinja").read_text())
     unexpected, agreed_listed = [], []
     for name, (turns, tools) in CONVERSATIONS.items():
         for dialect in DIALECTS:
@@ -253,14 +257,7 @@ TURN_ENDS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "</s>", "<|end_of_text|>"
 def test_a_call_written_in_the_models_format_comes_back_structured_and_renders_as_written(template, templates, smollm):
     """The call as the template writes it is what the model was trained to write: read back, it is the call,
     and sent back in the next request it renders the same text again."""
-    from transformers import PreTrainedTokenizerFast
-
-    source = (templates / f"{template}.jinja").read_text()
-    base = smollm.tokenizer
-    tok = TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source))
-    hf = PreTrainedTokenizerFast(tokenizer_object=base.tokenizer, bos_token=base.meta.bos_token,
-                                 eos_token=base.meta.eos_token)
-    hf.chat_template = source
+    tok, hf = both_tokenizers(smollm, (templates / f"{template}.jinja").read_text())
     turns, tools = CONVERSATIONS["one_call"]
     asked, called = reference_messages(turns[:1]), reference_messages(turns[:2])
     prompt = hf.apply_chat_template(asked, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -307,15 +304,10 @@ def _accepts(matcher, ids: list[int]) -> bool:
 def test_a_template_that_reads_xml_tools_gets_the_tools_there(smollm):
     """SmolLM3's template takes its tools as `xml_tools` (its model card passes them so): rendered as
     transformers renders it given them there."""
-    from transformers import PreTrainedTokenizerFast
-
     source = ("{%- if xml_tools %}<tools>{% for tool in xml_tools %}{{ tool | tojson }}\n{% endfor %}</tools>{% endif %}"
               "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
               "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    base = smollm.tokenizer
-    tok = TextTokenizer(base.tokenizer, dataclasses.replace(base.meta, chat_template=source))
-    hf = PreTrainedTokenizerFast(tokenizer_object=base.tokenizer)
-    hf.chat_template = source
+    tok, hf = both_tokenizers(smollm, source)
     turns, tools = CONVERSATIONS["tools"]
     want = hf.apply_chat_template(reference_messages(turns), xml_tools=tools, add_generation_prompt=True, tokenize=False)
     got = tok.decode(chat_render.render_chat(tok, openai_request(turns, tools)).ids, skip_special=False)

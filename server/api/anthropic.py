@@ -167,7 +167,6 @@ async def _start(http: HttpRequest, body: MessagesRequest, prompt: list[int], fo
         top_p=body.top_p if body.top_p is not None else 1.0,
         stop=stop,
         grammar=grammar,
-        whole_output=forced is not None,
     )
     params = reader.sampling(params)
     return generation.start(http, generation.session_id_of(http, body.session_id), prompt, params,

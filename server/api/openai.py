@@ -26,7 +26,7 @@ router = APIRouter(tags=["openai"], responses=ERROR_RESPONSES)
 
 
 def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int | None, vocab: int,
-                  grammar: str | None = None, forced_calls: bool = False) -> SamplingParams:
+                  grammar: str | None = None) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -44,7 +44,6 @@ def openai_params(body: _OpenAISampling, max_tokens: int | None, logprobs: int |
         logprobs=logprobs,
         logit_bias=_logit_bias(body.logit_bias or {}, vocab),
         grammar=grammar,
-        whole_output=forced_calls,
     )
 
 
@@ -99,7 +98,7 @@ async def _params(http: HttpRequest, body: _OpenAISampling, max_tokens: int | No
     generation.check_model(http, body.model)
     engine = generation.engine_of(http)
     grammar = await asyncio.to_thread(output_grammar, engine.grammars, body, tool_functions, layout)  # compiles: off the loop
-    params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar, tool_functions is not None)
+    params = openai_params(body, max_tokens, logprobs, engine.model.config.vocab_size, grammar)
     generation.check_stops(http, params.stop, "stop")
     return params
 

@@ -45,8 +45,8 @@ class ReplyReader:
         return dataclasses.replace(self, opened=False)
 
     def sampling(self, params: SamplingParams) -> SamplingParams:
-        if self.forced and self.format.call_end:  # a call said again ends the reply before it
-            params = dataclasses.replace(params, stop_repeats=self.format.call_end)
+        if self.forced:  # wanted whole (or refused if it cannot fit), and a call said again ends the reply before it
+            params = dataclasses.replace(params, whole_output=True, stop_repeats=self.format.call_end)
         if self.channels:  # its markers stay in the text, and those that end generation end the reply there
             ends = tuple(s for s in self.format.ends if s not in params.stop)
             return dataclasses.replace(params, skip_special_tokens=False, stop=params.stop + ends)

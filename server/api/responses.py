@@ -151,8 +151,7 @@ async def _start(run: _Run, previous: Session | None) -> Sequence:
                                       rendered.reader.format.forced)
     vocab = engine.model.config.vocab_size
     run.reader = rendered.reader if grammar is None else rendered.reader.constrained()
-    params = run.reader.sampling(openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar,
-                                                      forced is not None))
+    params = run.reader.sampling(openai.openai_params(chat, body.max_output_tokens, body.logprobs, vocab, grammar))
     if not body.store:
         return generation.start(http, None, prompt, params, resend=True)[0]
     owner = generation.owner_of(http)

@@ -67,14 +67,15 @@ async def chat_stream(client: httpx.AsyncClient, url: str, messages: list[dict])
     return (200 if done else 0), "".join(text)
 
 
-async def user(client: httpx.AsyncClient, url: str, i: int, turns: int) -> list[tuple[float, int]]:
+async def user(client: httpx.AsyncClient, url: str, i: int, turns: int, until: float = 0.0) -> list[tuple[float, int]]:
     """One user's chat, the whole history resent each turn (no session) -> (when it was sent, status) per
-    request; a request the router dropped counts as status 0."""
+    request; a request the router dropped counts as status 0. It takes `turns` turns, and more (up to
+    three times as many) while the clock is before `until`: a load that lasts on a fast machine too."""
     notes = " ".join(f"Note {j}: {TOPICS[i]} matters to user {i} for reason {j}." for j in range(8))  # its own long context
     messages = [{"role": "user", "content": f"User {i} here. {notes} Tell me about {TOPICS[i]}, in a few sentences, "
                                             "as a teacher would explain it to a curious student."}]
-    sent = []
-    for turn in range(turns):
+    sent, turn = [], 0
+    while turn < turns or (time.monotonic() < until and turn < 3 * turns):
         await asyncio.sleep((i * 7 + turn * 5) % USERS * 0.05)  # users think for different times, as people do
         started = time.monotonic()
         try:
@@ -84,12 +85,13 @@ async def user(client: httpx.AsyncClient, url: str, i: int, turns: int) -> list[
         sent.append((started, status))
         if status == 200:
             messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"Go on, part {turn + 2}, please."}]
+        turn += 1
     return sent
 
 
-async def load(url: str, turns: int = TURNS) -> list[tuple[float, int]]:
+async def load(url: str, turns: int = TURNS, until: float = 0.0) -> list[tuple[float, int]]:
     async with httpx.AsyncClient(timeout=300) as client:
-        users = await asyncio.gather(*(user(client, url, i, turns) for i in range(USERS)))
+        users = await asyncio.gather(*(user(client, url, i, turns, until) for i in range(USERS)))
     return [r for u in users for r in u]
 
 
@@ -158,7 +160,8 @@ def test_sessions_keep_their_replica_and_outlive_a_killed_one(tmp_path):
         before = httpx.get(f"{url}/v1/sessions/{sid}").json()["length"]
 
         async def kill_mid_load():
-            task = asyncio.create_task(load(url, turns=3 * TURNS))
+            # the load outlasts the kill by a span it must serve, however fast the machine
+            task = asyncio.create_task(load(url, turns=3 * TURNS, until=time.monotonic() + 20))
             await asyncio.sleep(4)
             os.kill(replicas[victim], signal.SIGKILL)
             return time.monotonic(), await asyncio.wait_for(task, 300)  # never a hang

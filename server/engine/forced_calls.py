@@ -51,6 +51,11 @@ class OfferedCalls:
         return _json_term({"type": "object", "properties": properties, "required": list(properties),
                            "additionalProperties": False}, defs)
 
+    def properties(self, i: int) -> tuple[dict, set[str]]:
+        """Function i's arguments by name, each one's schema, and the names of those required."""
+        schema = self.parameters[i] if isinstance(self.parameters[i], dict) else {}
+        return dict(schema.get("properties") or {}), set(schema.get("required") or ())
+
     def each(self, rule: Callable[[int], str]) -> str:
         """A group of one alternative a function."""
         return "(" + " | ".join(rule(i) for i in range(len(self.names))) + ")"

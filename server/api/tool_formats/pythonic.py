@@ -68,8 +68,7 @@ def _value(calls: OfferedCalls, i: int, name: str, schema: Any) -> str:
 def forced(calls: OfferedCalls, parallel: bool) -> str:
     """The list of calls: the required arguments in the schema's order, then each optional one or not."""
     def call(i: int) -> str:
-        schema = calls.parameters[i] if isinstance(calls.parameters[i], Mapping) else {}
-        properties, required = schema.get("properties") or {}, list(schema.get("required") or ())
+        properties, required = calls.properties(i)
         given = [n for n in properties if n in required]
         parts = [f'{text(n + "=")} {_value(calls, i, n, properties[n])}' for n in given]
         optional = [f'{text(n + "=")} {_value(calls, i, n, properties[n])}' for n in properties if n not in required]

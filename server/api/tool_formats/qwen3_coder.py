@@ -135,8 +135,7 @@ def _value(calls: OfferedCalls, i: int, name: str, schema: Any) -> str:
 def forced(calls: OfferedCalls, parallel: bool) -> str:
     """Calls as the template writes them: the parameters in the schema's order, the required ones always."""
     def call(i: int) -> str:
-        schema = calls.parameters[i] if isinstance(calls.parameters[i], Mapping) else {}
-        properties, required = schema.get("properties") or {}, set(schema.get("required") or ())
+        properties, required = calls.properties(i)
         parts = []
         for name, value in properties.items():
             part = f'{text(f"<parameter={name}>" + NL)} {_value(calls, i, name, value)}'

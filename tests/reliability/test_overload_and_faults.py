@@ -1,4 +1,5 @@
 import asyncio
+import json
 import random
 import signal
 import socket
@@ -231,28 +232,23 @@ def test_sigterm_drains_streams_then_exits_zero(served_model):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, timeout=300, proc=proc)
-        results = {}
+        results, started = {}, threading.Barrier(5)
 
         def stream(i):
-            text, final = "", None
+            final = None
             with httpx.stream("POST", url + "/generate_stream", json=gen_body(f"Story {i}:", 40), timeout=120) as r:
                 for line in r.iter_lines():
                     if line.startswith("data:"):
-                        import json
-
+                        if final is None:
+                            started.wait(timeout=60)  # every stream is admitted before the signal
                         final = json.loads(line[5:])
-                        text += final["token"]["text"]
-                        if i == 0 and "sent" not in results:
-                            results["sent"] = True
-                            proc.send_signal(signal.SIGTERM)
             results[i] = final
 
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        deadline = time.time() + 60
-        while "sent" not in results and time.time() < deadline:
-            time.sleep(0.02)
+        started.wait(timeout=60)
+        proc.send_signal(signal.SIGTERM)
         def status(method, path, **kw):
             try:
                 return httpx.request(method, url + path, timeout=10, **kw).status_code

@@ -2,7 +2,8 @@
 from .catalog import DEFAULT_MODEL, NAMED_MODELS, cache_dir, fetch
 from .config import ModelConfig, UnsupportedModel
 from .errors import ModelLoadError
-from .export import LoadedModel, load_artifact, save_artifact
+from .artifact_save import save_artifact
+from .export import LoadedModel, load_artifact
 from .loader import load_model
 from .tokenizer import TextTokenizer
 

@@ -141,10 +141,13 @@ def load_package(module: nn.Module, folder: Path | None):
         return None
 
 
-def compile_in_background(program: Program, folder: Path) -> threading.Thread:
+def compile_in_background(program: Program, folder: Path, saving=None) -> threading.Thread:
     """Compile the package in a process of its own (it dies with this one, and a compile cut short leaves
-    nothing behind), then switch the model thread to it; a failure leaves program.py serving, and says why."""
+    nothing behind), then switch the model thread to it; a failure leaves program.py serving, and says why.
+    `saving` (artifact_save.ArtifactSave): the artifact is still being written, and the compile reads it."""
     def run() -> None:
+        if saving is not None and not saving.wait():
+            return  # not saved (its writer said why): nothing to compile from
         start = time.time()
         # a session of its own: its process group holds the C++ compilers it starts, which it takes down
         # with itself when the server's exit signals it

@@ -6,8 +6,6 @@ import hashlib
 import json
 import math
 import operator
-import shutil
-import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +14,6 @@ from typing import Callable
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from safetensors.torch import save_file
 from torch.export import Dim
 
 from . import trust
@@ -63,6 +60,7 @@ class LoadedModel:
     held: tuple[tuple[str, int], ...] = ()  # tensors by type, as held: (("Q4_K", 97), ("F32", 33), ...)
     held_bytes: int = 0  # the weights' bytes in memory
     folder: Path | None = None  # the artifact it came from (where its compiled package goes); None: not saved
+    saving: "ArtifactSave | None" = None  # a fresh export's artifact, still being written (artifact_save.py)
 
     def held_text(self) -> str:
         return ", ".join(f"{n} {t}" for t, n in self.held) or self.weights
@@ -224,43 +222,6 @@ def runnable_module(program: torch.export.ExportedProgram) -> torch.fx.GraphModu
             setattr(root, node.target.replace(".", "_"), module.get_submodule(node.target))
             node.target = node.target.replace(".", "_")
     return torch.fx.GraphModule(root, graph)
-
-
-def save_artifact(folder: Path, program, config: ModelConfig, tokenizer: TextTokenizer, dtype: torch.dtype, name: str,
-                  weights: str = "f32", held: tuple[tuple[str, int], ...] = (), held_bytes: int = 0,
-                  activations: str = ACTIVATIONS[0], source: str = "") -> None:
-    """The artifact into `folder`; `source`, the checkpoint's resolved path where it came from one."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Write into a temporary sibling and rename, so a crash never leaves a half-written artifact.
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    module = runnable_module(program)
-    assert set(module.graph.python_code("self").globals) <= set(PROGRAM_GLOBALS), "the program names a global load cannot give it"
-    (tmp / PROGRAM_FILE).write_text(module.code)
-    # Each tensor once: a tied weight (the lm_head reading the embeddings) is stored once, and named again.
-    tensors, aliases, seen = {}, {}, {}
-    for attr, tensor in module.state_dict(keep_vars=True).items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
-        if key in seen:
-            aliases[attr] = seen[key]
-        else:
-            seen[key], tensors[attr] = attr, tensor.detach().contiguous()
-    save_file(tensors, str(tmp / WEIGHTS_FILE))
-    (tmp / "config.json").write_text(config.to_json())
-    tokenizer.save(tmp)
-    # the source flattens its inputs and builds its output through these two pytree specs
-    specs = {"in_spec": pytree.treespec_dumps(module._in_spec), "out_spec": pytree.treespec_dumps(module._out_spec)}
-    hashes = {f: sha256_of(tmp / f) for f in (PROGRAM_FILE, WEIGHTS_FILE)}
-    for f, sha in hashes.items():
-        trust.remember(tmp / f, sha)  # the folder's rename keeps each file's stat
-    meta = {"format": ARTIFACT_FORMAT, "dtype": str(dtype).removeprefix("torch."), "name": name, "weights": weights,
-            "activations": activations, "source": source,
-            "aliases": aliases, "sha256": hashes, "held": [list(h) for h in held], "held_bytes": held_bytes, **specs}
-    (tmp / "kvserve.json").write_text(json.dumps(meta, indent=2))
-    if folder.exists():
-        shutil.rmtree(folder)
-    tmp.rename(folder)
-    trust.trust(hashes[PROGRAM_FILE])
 
 
 def saved_program(folder: Path, meta: dict, values: bool = True, small: int = 0) -> torch.nn.Module:

@@ -18,7 +18,8 @@ from . import export as export_mod
 from .compiled_program import Program
 from .catalog import NAMED_MODELS, cache_dir, fetch
 from .errors import ModelLoadError
-from .export import LoadedModel, activations_for, build_model, export_program, is_artifact, load_artifact, save_artifact
+from .artifact_save import save_artifact
+from .export import LoadedModel, activations_for, build_model, export_program, is_artifact, load_artifact
 from .gguf_loader import read_gguf
 from .hf_loader import read_hf
 from .quant import ACTIVATIONS, REQUANTIZE, model_kernels_available
@@ -105,10 +106,12 @@ def _artifact_meta(folder: Path) -> dict | None:
 
 
 def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_cache: bool = True, weights: str = "f32",
-               trust_artifact: bool = False, compiled: bool = True, activations: str = ACTIVATIONS[0]) -> LoadedModel:
+               trust_artifact: bool = False, compiled: bool = True, activations: str = ACTIVATIONS[0],
+               write_behind: bool = False) -> LoadedModel:
     """Load an artifact as is (its program only if kvserve exported it, or `trust_artifact`); export a
     checkpoint once and keep the artifact in the cache folder. With `compiled`, an artifact's compiled
-    package runs where it has one (models/compiled_program.py)."""
+    package runs where it has one (models/compiled_program.py). With `write_behind`, a fresh export's
+    artifact is written while the model serves from memory (LoadedModel.saving)."""
     weights = resolve_weights(weights)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -128,14 +131,15 @@ def load_model(spec: str, dtype: str = "float32", progress: bool = False, use_ca
             print(f"re-exporting {spec}: {e}", file=sys.stderr)
     start = time.time()
     program, config, tokenizer, held = export_checkpoint(path, torch_dtype, progress, weights, activations)
+    saving = None
     if use_cache:
-        save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0], held_bytes=held[1],
-                      activations=activations, source=str(path.resolve()))
-        _prune_stale(cached)
+        saving = save_artifact(cached, program, config, tokenizer, torch_dtype, name=spec, weights=weights, held=held[0],
+                               held_bytes=held[1], activations=activations, source=str(path.resolve()),
+                               background=write_behind, after=lambda: _prune_stale(cached))
     if progress:
-        print(f"exported {spec} in {time.time() - start:.1f}s", file=sys.stderr)
+        print(f"exported {spec} in {time.time() - start:.1f}s" + (" (saving it in the background)" if write_behind else ""),
+              file=sys.stderr)
     forward = Program(export_mod.runnable_module(program))
     return LoadedModel(config=config, forward=forward, tokenizer=tokenizer, name=spec, dtype=torch_dtype, weights=weights,
-                       activations=activations,
-                       fingerprint=export_mod.fingerprint(cached) if use_cache else "", held=held[0], held_bytes=held[1],
-                       folder=cached if use_cache else None)
+                       activations=activations, fingerprint=saving.fingerprint if saving else "", held=held[0],
+                       held_bytes=held[1], folder=cached if use_cache else None, saving=saving if write_behind else None)

@@ -99,13 +99,13 @@ class StoredTensor:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape)
 
     def panels(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor repacked as its format's panels, chunk by chunk (into `out` if given), each chunk
-        read into one buffer."""
+        """The tensor repacked as its format's panels, chunk by chunk (into `out` if given), the chunks read
+        into two buffers in turn: one is repacked while the next chunk is read into the other."""
         fmt = FORMATS[self.type]
         step = fmt.chunk_rows(self.row_bytes)
-        buffer = read_buffer(min(step, self.rows) * self.row_bytes)
+        buffers = [read_buffer(min(step, self.rows) * self.row_bytes) for _ in range(2 if step < self.rows else 1)]
         with self._reading():
-            return fmt.panels(lambda r0, r1: self.read_rows(r0, r1, buffer), self.rows, out, step)
+            return fmt.panels(lambda r0, r1: self.read_rows(r0, r1, buffers[r0 // step % len(buffers)]), self.rows, out, step)
 
     @contextlib.contextmanager
     def _reading(self):

@@ -181,7 +181,8 @@ def cmd_kernels(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from models.export import activations_for, save_artifact
+    from models.artifact_save import save_artifact
+    from models.export import activations_for
     from models.loader import DTYPES, export_checkpoint, resolve, resolve_weights
 
     start = time.time()
@@ -253,7 +254,7 @@ def cmd_serve(args) -> int:
     worker = model_thread()  # loads the model too, so this thread never starts torch threads of its own
     model = worker.submit(load_model, args.model, args.dtype, progress=True, weights=args.weights,
                           trust_artifact=args.trust_artifact, compiled=not args.enforce_eager,
-                          activations=args.activations).result()
+                          activations=args.activations, write_behind=True).result()
     names = parse_names(args.served_model_name or ())
     name = names[0] if names else (args.model if "/" not in args.model else Path(args.model.rstrip("/")).name)
     engine = Engine(model, _engine_config(args), worker=worker)
@@ -268,12 +269,14 @@ def cmd_serve(args) -> int:
              model.config.architecture, model.config.n_layers, model.config.max_context, model.weights, model.held_text(),
              model.activations, time.time() - start)
     if not args.enforce_eager and model.folder is not None and not model.forward.compiled:
-        compile_in_background(model.forward, model.folder)
+        compile_in_background(model.forward, model.folder, model.saving)
     server = DrainingServer(uvicorn_config(app, args.host, args.port, header_timeout=server_config.header_timeout,
                                            log_level=args.log_level, timeout_graceful_shutdown=5),
                             engine, args.shutdown_timeout)
     quiet_health_checks()  # after uvicorn.Config, which (re)configures the uvicorn loggers
     server.run()
+    if model.saving is not None:
+        model.saving.stop()  # an artifact still being written is abandoned, its partial files removed
     exit_now(0 if server.started else 1)  # the app's lifespan has stopped the engine and closed its disk tier
 
 

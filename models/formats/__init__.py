@@ -3,6 +3,7 @@ panel kind it is repacked into for the CPU (panels.py), losslessly. One file a f
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -90,15 +91,22 @@ class BlockFormat:
     def panels(self, read_rows: Callable[[int, int], torch.Tensor], n: int, out: torch.Tensor | None = None,
                chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
         """The n-row weight whose raw rows read_rows(r0, r1) gives -> panels, chunk_rows (whole panel
-        groups) at a time (into `out` if given): natively where the kernels are, else in Python."""
+        groups) at a time (into `out` if given): natively where the kernels are, else in Python.
+
+        A thread reads each chunk while the one before it is repacked, so that a load from a cold disk
+        waits on the disk or the repack, not their sum: read_rows is called in order, one chunk ahead."""
         assert chunk_rows % (PANEL * PANEL_GROUP) == 0, "chunks fill whole panel groups"
         repack = self.repack if native_repack() else self.repack_python
-        for r0 in range(0, n, chunk_rows):
-            r1 = min(n, r0 + chunk_rows)
-            raw = read_rows(r0, r1)
-            if out is None:
-                out = torch.empty(panel_count(n), self.units(raw.shape[1]), self.kind.bytes, dtype=torch.uint8)
-            repack(raw, out[r0 // 8 : r0 // 8 + panel_count(r1 - r0)])
+        with ThreadPoolExecutor(1, thread_name_prefix="kvserve-read") as reader:
+            ahead = reader.submit(read_rows, 0, min(n, chunk_rows))
+            for r0 in range(0, n, chunk_rows):
+                r1 = min(n, r0 + chunk_rows)
+                raw = ahead.result()
+                if r1 < n:
+                    ahead = reader.submit(read_rows, r1, min(n, r1 + chunk_rows))
+                if out is None:
+                    out = torch.empty(panel_count(n), self.units(raw.shape[1]), self.kind.bytes, dtype=torch.uint8)
+                repack(raw, out[r0 // 8 : r0 // 8 + panel_count(r1 - r0)])
         return out
 
     def repack(self, raw: torch.Tensor, out: torch.Tensor) -> None:

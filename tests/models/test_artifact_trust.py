@@ -14,7 +14,8 @@ import torch
 from models import load_model, trust
 from models.catalog import sha256_of
 from models.errors import ModelLoadError
-from models.export import PROGRAM_FILE, WEIGHTS_FILE, load_artifact, save_artifact
+from models.artifact_save import save_artifact
+from models.export import PROGRAM_FILE, WEIGHTS_FILE, load_artifact
 from models.loader import export_checkpoint
 
 

@@ -208,7 +208,8 @@ def test_the_compiled_package_of_a_moe_program_computes_the_same_bits(moe_folder
 
 def build_and_save(folder, out):
     """The folder exported as stored into an artifact at `out`, loaded back as program.py."""
-    from models.export import export_program, save_artifact
+    from models.artifact_save import save_artifact
+    from models.export import export_program
 
     config, state, tokenizer = read_hf(folder)
     model = build_model(config, state, torch.float32, weights="q8_0")
